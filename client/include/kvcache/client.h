@@ -1,0 +1,182 @@
+// kvcache::Client — the C++ client of a kvcache node, for prefill and decode
+// workers.
+//
+// Contract:
+//  * Every call has a deadline (ClientOptions::timeout unless the call's
+//    own timeout is given) and returns absl::Status codes as the node
+//    defines them: INVALID_ARGUMENT bad shape/key/codec, NOT_FOUND miss,
+//    RESOURCE_EXHAUSTED pool full (retry_after_ms() tells when to retry),
+//    FAILED_PRECONDITION layout mismatch or stale lease, UNAVAILABLE node
+//    down or draining, DATA_LOSS a stored block failed its checksum (the
+//    node has dropped it; treat as a miss and recompute).
+//  * Keys are opaque byte strings of 1 to 64 bytes, normally chained prefix
+//    hashes; a block's parent defaults to the previous block of the same Put.
+//  * A block's fp16 tensor is layer-major: for each layer, K then V, each a
+//    contiguous [tokens_per_block][num_kv_heads][head_dim] array of IEEE
+//    half bit patterns (see docs/architecture.md).
+//  * A Client is thread-safe; calls may be made from many threads at once.
+#ifndef KVCACHE_CLIENT_CLIENT_H_
+#define KVCACHE_CLIENT_CLIENT_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kernels/codec.h"
+
+namespace kvcache {
+
+using kernels::BlockShape;
+using kernels::Codec;
+using kernels::CodecPolicy;
+using kernels::ScaleMode;
+
+struct ClientOptions {
+  std::string target;  // "host:port" of the node's gRPC listener
+  absl::Duration timeout = absl::Seconds(10);
+  // Largest gRPC message either way; a Put larger than this is split.
+  int max_message_bytes = 256 << 20;
+};
+
+struct NamespaceSpec {
+  std::string name;
+  std::string model;
+  std::string revision;
+  uint32_t tp_rank = 0;
+  BlockShape shape;
+  // Unset: the node's default codec.
+  std::optional<CodecPolicy> policy;
+};
+
+struct NamespaceInfo {
+  uint64_t fingerprint = 0;
+  bool already_registered = false;
+  Codec codec = Codec::kNone;
+  uint64_t fp16_block_bytes = 0;
+  uint64_t encoded_block_bytes = 0;
+};
+
+struct LookupResult {
+  uint32_t prefix_blocks = 0;  // keys[0, prefix_blocks) are cached
+  uint64_t pin_lease = 0;      // nonzero when pinned: pass to Get/Release
+};
+
+struct BlockWrite {
+  std::string key;
+  std::string parent_key;  // empty: the previous block of this Put
+  absl::Span<const uint16_t> fp16;
+};
+
+struct PutResult {
+  uint32_t stored = 0;   // blocks written now
+  uint32_t skipped = 0;  // stored already: their bytes did not travel
+  uint64_t stored_bytes = 0;
+};
+
+enum class ReadFormat { kFp16, kRaw };
+
+struct BlockData {
+  std::string key;
+  Codec codec = Codec::kNone;  // as stored on the node
+  ReadFormat format = ReadFormat::kFp16;
+  std::string bytes;  // fp16 halves, or the raw encoding
+};
+
+struct GetResult {
+  std::vector<BlockData> blocks;  // in the order of the keys asked for
+  BlockShape shape;
+  CodecPolicy policy;  // decodes raw blocks (DecodeRaw)
+};
+
+struct CodecUsage {
+  uint64_t blocks = 0;
+  uint64_t tokens = 0;
+  uint64_t stored_bytes = 0;
+  uint64_t logical_bytes = 0;
+};
+
+struct NamespaceUsage {
+  Codec codec = Codec::kNone;
+  uint64_t blocks = 0;
+  uint64_t tokens = 0;
+  std::map<std::string, uint64_t> tokens_that_fit;  // by codec name
+};
+
+struct NodeStats {
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint64_t reserved_bytes = 0;
+  uint64_t pinned_bytes = 0;
+  uint64_t fragmentation_bytes = 0;
+  std::map<std::string, CodecUsage> codecs;         // by codec name
+  std::map<std::string, NamespaceUsage> namespaces;  // by namespace name
+  uint64_t evictions = 0;
+  uint64_t data_loss_events = 0;
+  uint64_t lookup_hits = 0;
+  uint64_t lookup_misses = 0;
+};
+
+// Milliseconds the node asked the caller to wait before retrying a
+// RESOURCE_EXHAUSTED; nullopt for other statuses.
+std::optional<int> RetryAfterMs(const absl::Status& status);
+
+// Dequantizes one raw block of `result` into fp16 on the client's CPU.
+absl::Status DecodeRaw(const GetResult& result, const BlockData& block,
+                       absl::Span<uint16_t> fp16_out);
+
+class Client {
+ public:
+  // Creates a channel to options.target; does not wait for the node.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(
+      const ClientOptions& options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Idempotent for an identical spec; FAILED_PRECONDITION when the name is
+  // taken by a different layout or policy.
+  absl::StatusOr<NamespaceInfo> RegisterNamespace(const NamespaceSpec& spec);
+
+  // Longest cached prefix of `keys`. pin: hold it against eviction until
+  // Get(..., pin_lease) or Release(pin_lease) or the lease TTL.
+  absl::StatusOr<LookupResult> Lookup(const std::string& ns,
+                                      const std::vector<std::string>& keys,
+                                      bool pin = false);
+
+  // Stores whole blocks (all-or-nothing per node round trip). Blocks the
+  // node holds already cost no transfer.
+  absl::StatusOr<PutResult> Put(const std::string& ns,
+                                absl::Span<const BlockWrite> blocks);
+
+  // Reads blocks; NOT_FOUND when any is missing. pin_lease: a Lookup pin
+  // that this read takes over and ends.
+  absl::StatusOr<GetResult> Get(const std::string& ns,
+                                const std::vector<std::string>& keys,
+                                ReadFormat format = ReadFormat::kFp16,
+                                uint64_t pin_lease = 0);
+
+  // Ends a Lookup pin without reading.
+  absl::Status Release(uint64_t pin_lease);
+
+  // Returns how many of `keys` were stored and are now deleted.
+  absl::StatusOr<uint32_t> Delete(const std::string& ns,
+                                  const std::vector<std::string>& keys);
+
+  absl::StatusOr<NodeStats> Stats();
+
+ private:
+  struct Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvcache
+
+#endif  // KVCACHE_CLIENT_CLIENT_H_

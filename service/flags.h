@@ -1,0 +1,25 @@
+// NodeFlags: the kvcache-node command line (and the optional --config file,
+// one `--flag=value` per line, '#' comments), parsed into NodeOptions.
+#ifndef KVCACHE_SERVICE_FLAGS_H_
+#define KVCACHE_SERVICE_FLAGS_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "service/node.h"
+
+namespace kvcache::service {
+
+struct ParsedFlags {
+  NodeOptions options;
+  bool help = false;
+};
+
+std::string NodeUsage();
+// INVALID_ARGUMENT naming the flag for an unknown flag or a bad value.
+absl::StatusOr<ParsedFlags> ParseNodeFlags(const std::vector<std::string>& args);
+
+}  // namespace kvcache::service
+
+#endif  // KVCACHE_SERVICE_FLAGS_H_

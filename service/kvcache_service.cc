@@ -1,0 +1,363 @@
+#include "service/kvcache_service.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace kvcache::service {
+namespace {
+
+using kernels::Codec;
+
+// Milliseconds a client should wait before retrying a RESOURCE_EXHAUSTED.
+constexpr char kRetryAfterKey[] = "kvcache-retry-after-ms";
+constexpr char kRetryAfterMs[] = "250";
+
+absl::StatusOr<Codec> CodecFromProto(v1::Codec codec) {
+  switch (codec) {
+    case v1::CODEC_NONE:
+      return Codec::kNone;
+    case v1::CODEC_FP8_E4M3:
+      return Codec::kFp8E4M3;
+    case v1::CODEC_FP8_E5M2:
+      return Codec::kFp8E5M2;
+    case v1::CODEC_KIVI2:
+      return Codec::kKivi2;
+    case v1::CODEC_KIVI4:
+      return Codec::kKivi4;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown codec ", static_cast<int>(codec)));
+  }
+}
+
+v1::Codec CodecToProto(Codec codec) {
+  return static_cast<v1::Codec>(static_cast<int>(codec) + 1);
+}
+
+absl::StatusOr<store::NamespaceConfig> ConfigFromProto(
+    const v1::NamespaceSpec& spec) {
+  store::NamespaceConfig c;
+  c.name = spec.name();
+  c.model = spec.model();
+  c.revision = spec.revision();
+  c.tp_rank = spec.tp_rank();
+  const v1::Layout& l = spec.layout();
+  if (l.dtype() != v1::DTYPE_FP16 && l.dtype() != v1::DTYPE_UNSPECIFIED) {
+    return absl::InvalidArgumentError("only fp16 source dtype is supported");
+  }
+  if (l.tensor_order() != v1::TENSOR_ORDER_UNSPECIFIED &&
+      l.tensor_order() != v1::TENSOR_ORDER_LAYER_KV_TOKEN_HEAD_DIM) {
+    return absl::InvalidArgumentError("unknown tensor order");
+  }
+  c.shape = {l.num_layers(), l.num_kv_heads(), l.head_dim(),
+             l.tokens_per_block()};
+  const v1::CodecPolicy& p = spec.codec_policy();
+  c.codec_specified = p.codec() != v1::CODEC_UNSPECIFIED;
+  if (c.codec_specified) {
+    absl::StatusOr<Codec> codec = CodecFromProto(p.codec());
+    if (!codec.ok()) return codec.status();
+    c.policy.codec = *codec;
+  }
+  c.policy.fp16_layers.assign(p.fp16_layers().begin(), p.fp16_layers().end());
+  switch (p.scale_mode()) {
+    case v1::SCALE_MODE_DYNAMIC:
+      c.policy.scale_mode = kernels::ScaleMode::kDynamic;
+      break;
+    case v1::SCALE_MODE_STATIC_PER_LAYER:
+      c.policy.scale_mode = kernels::ScaleMode::kStaticPerLayer;
+      break;
+    case v1::SCALE_MODE_STATIC_PER_LAYER_HEAD:
+      c.policy.scale_mode = kernels::ScaleMode::kStaticPerLayerHead;
+      break;
+    default:
+      return absl::InvalidArgumentError("unknown scale mode");
+  }
+  c.policy.static_k_scales.assign(p.static_k_scales().begin(),
+                                  p.static_k_scales().end());
+  c.policy.static_v_scales.assign(p.static_v_scales().begin(),
+                                  p.static_v_scales().end());
+  c.policy.kivi_group_size =
+      p.kivi_group_size() == 0 ? 32 : p.kivi_group_size();
+  return c;
+}
+
+void PolicyToProto(const kernels::CodecPolicy& policy, v1::CodecPolicy* out) {
+  out->set_codec(CodecToProto(policy.codec));
+  for (uint32_t layer : policy.fp16_layers) out->add_fp16_layers(layer);
+  out->set_scale_mode(static_cast<v1::ScaleMode>(policy.scale_mode));
+  for (float s : policy.static_k_scales) out->add_static_k_scales(s);
+  for (float s : policy.static_v_scales) out->add_static_v_scales(s);
+  out->set_kivi_group_size(policy.kivi_group_size);
+}
+
+void LayoutToProto(const kernels::BlockShape& shape, v1::Layout* out) {
+  out->set_num_layers(shape.num_layers);
+  out->set_num_kv_heads(shape.num_kv_heads);
+  out->set_head_dim(shape.head_dim);
+  out->set_tokens_per_block(shape.tokens_per_block);
+  out->set_dtype(v1::DTYPE_FP16);
+  out->set_tensor_order(v1::TENSOR_ORDER_LAYER_KV_TOKEN_HEAD_DIM);
+}
+
+std::vector<std::string> Keys(
+    const google::protobuf::RepeatedPtrField<std::string>& keys) {
+  return std::vector<std::string>(keys.begin(), keys.end());
+}
+
+absl::Duration Millis(uint32_t ms) { return absl::Milliseconds(ms); }
+
+}  // namespace
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+const char* GrpcCodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::OK: return "OK";
+    case grpc::CANCELLED: return "CANCELLED";
+    case grpc::UNKNOWN: return "UNKNOWN";
+    case grpc::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::NOT_FOUND: return "NOT_FOUND";
+    case grpc::ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case grpc::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::ABORTED: return "ABORTED";
+    case grpc::OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case grpc::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::INTERNAL: return "INTERNAL";
+    case grpc::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::DATA_LOSS: return "DATA_LOSS";
+    case grpc::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    default: return "UNKNOWN";
+  }
+}
+
+KvCacheServiceImpl::KvCacheServiceImpl(store::Store* store, Metrics* metrics,
+                                       ThreadPool* workers)
+    : store_(store), metrics_(metrics), workers_(workers) {}
+
+template <typename Fn>
+grpc::ServerUnaryReactor* KvCacheServiceImpl::Run(
+    grpc::CallbackServerContext* ctx, const char* op, bool offload, Fn&& fn) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  absl::Time start = absl::Now();
+  auto work = [this, ctx, op, reactor, start, fn = std::forward<Fn>(fn)]() {
+    absl::Status status;
+    if (ctx->IsCancelled()) {
+      status = absl::CancelledError("call cancelled before it ran");
+    } else {
+      status = fn();
+    }
+    if (status.code() == absl::StatusCode::kResourceExhausted) {
+      ctx->AddTrailingMetadata(kRetryAfterKey, kRetryAfterMs);
+    }
+    grpc::Status grpc_status = ToGrpcStatus(status);
+    metrics_->RecordRequest(op, GrpcCodeName(grpc_status.error_code()),
+                            absl::ToDoubleSeconds(absl::Now() - start));
+    reactor->Finish(grpc_status);
+  };
+  if (offload) {
+    workers_->Schedule(std::move(work));
+  } else {
+    work();
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KvCacheServiceImpl::RegisterNamespace(
+    grpc::CallbackServerContext* ctx,
+    const v1::RegisterNamespaceRequest* request,
+    v1::RegisterNamespaceResponse* response) {
+  return Run(ctx, "register_namespace", false, [=]() -> absl::Status {
+    absl::StatusOr<store::NamespaceConfig> config =
+        ConfigFromProto(request->spec());
+    if (!config.ok()) return config.status();
+    absl::StatusOr<store::NamespaceInfo> info =
+        store_->RegisterNamespace(*std::move(config));
+    if (!info.ok()) return info.status();
+    response->set_fingerprint(info->fingerprint);
+    response->set_already_registered(info->already_registered);
+    response->set_effective_codec(CodecToProto(info->config.policy.codec));
+    response->set_fp16_block_bytes(info->fp16_block_bytes);
+    response->set_encoded_block_bytes(info->encoded_block_bytes);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheServiceImpl::Lookup(
+    grpc::CallbackServerContext* ctx, const v1::LookupRequest* request,
+    v1::LookupResponse* response) {
+  return Run(ctx, "lookup", false, [=]() -> absl::Status {
+    absl::StatusOr<store::LookupResult> r =
+        store_->Lookup(request->namespace_name(), Keys(request->keys()),
+                       request->pin(), Millis(request->pin_ttl_ms()));
+    if (!r.ok()) return r.status();
+    response->set_prefix_blocks(r->prefix_blocks);
+    response->set_lease_id(r->lease_id);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginWrite(
+    grpc::CallbackServerContext* ctx, const v1::BeginWriteRequest* request,
+    v1::BeginWriteResponse* response) {
+  return Run(ctx, "begin_write", false, [=]() -> absl::Status {
+    std::vector<store::BlockRef> blocks;
+    blocks.reserve(request->blocks_size());
+    for (const v1::BlockRef& b : request->blocks()) {
+      blocks.push_back({b.key(), b.parent_key()});
+    }
+    absl::StatusOr<store::BeginWriteResult> r =
+        store_->BeginWrite(request->namespace_name(), std::move(blocks),
+                           Millis(request->lease_ttl_ms()));
+    if (!r.ok()) return r.status();
+    response->set_write_id(r->write_id);
+    for (bool present : r->present) response->add_present(present);
+    response->set_fp16_block_bytes(r->fp16_block_bytes);
+    response->set_lease_deadline_unix_ms(absl::ToUnixMillis(r->deadline));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheServiceImpl::CommitWrite(
+    grpc::CallbackServerContext* ctx, const v1::CommitWriteRequest* request,
+    v1::CommitWriteResponse* response) {
+  return Run(ctx, "commit_write", true, [=]() -> absl::Status {
+    std::vector<store::Store::Payload> payloads;
+    uint64_t bytes = 0;
+    payloads.reserve(request->payloads_size());
+    for (const v1::BlockPayload& p : request->payloads()) {
+      payloads.push_back(
+          {p.index(), absl::MakeConstSpan(
+                          reinterpret_cast<const uint8_t*>(p.fp16().data()),
+                          p.fp16().size())});
+      bytes += p.fp16().size();
+    }
+    absl::StatusOr<store::CommitResult> r =
+        store_->CommitWrite(request->write_id(), payloads);
+    if (!r.ok()) return r.status();
+    metrics_->RecordTransfer("in", "grpc", bytes);
+    response->set_blocks_stored(r->stored);
+    response->set_blocks_skipped(r->skipped);
+    response->set_stored_bytes(r->stored_bytes);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheServiceImpl::AbortWrite(
+    grpc::CallbackServerContext* ctx, const v1::AbortWriteRequest* request,
+    v1::AbortWriteResponse* response) {
+  return Run(ctx, "abort_write", false, [=]() -> absl::Status {
+    return store_->AbortWrite(request->write_id());
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
+    grpc::CallbackServerContext* ctx, const v1::BeginReadRequest* request,
+    v1::BeginReadResponse* response) {
+  return Run(ctx, "begin_read", true, [=]() -> absl::Status {
+    if (!request->inline_data()) {
+      // Out-of-band delivery needs the UCX data plane, which this node does
+      // not run; the client falls back to inline data.
+      return absl::FailedPreconditionError(
+          "this node serves reads inline only (no data plane); set "
+          "inline_data");
+    }
+    store::ReadFormat format = request->format() == v1::READ_FORMAT_RAW
+                                   ? store::ReadFormat::kRaw
+                                   : store::ReadFormat::kFp16;
+    absl::StatusOr<store::ReadResult> r = store_->BeginRead(
+        request->namespace_name(), Keys(request->keys()), format,
+        Millis(request->lease_ttl_ms()), request->pin_lease_id(),
+        /*keep_lease=*/false);
+    if (!r.ok()) return r.status();
+    uint64_t bytes = 0;
+    for (store::ReadBlock& block : r->blocks) {
+      v1::BlockData* out = response->add_blocks();
+      out->set_key(std::move(block.key));
+      out->set_codec(CodecToProto(block.codec));
+      out->set_format(request->format());
+      out->set_length(block.data.size());
+      bytes += block.data.size();
+      out->set_data(std::move(block.data));
+    }
+    PolicyToProto(r->ns.config.policy, response->mutable_codec_policy());
+    LayoutToProto(r->ns.config.shape, response->mutable_layout());
+    response->set_read_id(r->lease_id);
+    metrics_->RecordTransfer("out", "grpc", bytes);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheServiceImpl::EndRead(
+    grpc::CallbackServerContext* ctx, const v1::EndReadRequest* request,
+    v1::EndReadResponse* response) {
+  return Run(ctx, "end_read", false, [=]() -> absl::Status {
+    return store_->EndLease(request->lease_id());
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheServiceImpl::Delete(
+    grpc::CallbackServerContext* ctx, const v1::DeleteRequest* request,
+    v1::DeleteResponse* response) {
+  return Run(ctx, "delete", false, [=]() -> absl::Status {
+    absl::StatusOr<uint32_t> n =
+        store_->Delete(request->namespace_name(), Keys(request->keys()));
+    if (!n.ok()) return n.status();
+    response->set_deleted(*n);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheServiceImpl::Stats(
+    grpc::CallbackServerContext* ctx, const v1::StatsRequest* request,
+    v1::StatsResponse* response) {
+  return Run(ctx, "stats", false, [=]() -> absl::Status {
+    store::StoreStats s = store_->Stats();
+    response->set_capacity_bytes(s.capacity_bytes);
+    response->set_used_bytes(s.used_bytes);
+    response->set_reserved_bytes(s.reserved_bytes);
+    response->set_pinned_bytes(s.pinned_bytes);
+    response->set_fragmentation_bytes(s.fragmentation_bytes);
+    response->set_page_size(s.page_size);
+    for (size_t c = 0; c < s.codecs.size(); ++c) {
+      v1::CodecCapacity* cc = response->add_codecs();
+      cc->set_codec(CodecToProto(static_cast<Codec>(c)));
+      cc->set_blocks(s.codecs[c].blocks);
+      cc->set_tokens(s.codecs[c].tokens);
+      cc->set_stored_bytes(s.codecs[c].stored_bytes);
+      cc->set_logical_bytes(s.codecs[c].logical_bytes);
+    }
+    for (const store::NamespaceStats& ns : s.namespaces) {
+      v1::NamespaceCapacity* nc = response->add_namespaces();
+      nc->set_name(ns.name);
+      nc->set_codec(CodecToProto(ns.codec));
+      nc->set_blocks(ns.blocks);
+      nc->set_tokens(ns.tokens);
+      for (size_t c = 0; c < ns.tokens_that_fit.size(); ++c) {
+        (*nc->mutable_tokens_that_fit())[std::string(
+            kernels::CodecName(static_cast<Codec>(c)))] =
+            ns.tokens_that_fit[c];
+      }
+    }
+    response->set_evictions(s.evictions_capacity);
+    response->set_data_loss_events(s.data_loss_events);
+    response->set_lookup_hits(s.lookup_hits);
+    response->set_lookup_misses(s.lookup_misses);
+    response->set_active_read_leases(s.active_read_leases);
+    response->set_active_write_leases(s.active_write_leases);
+    response->set_memory_tier("host");
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace kvcache::service

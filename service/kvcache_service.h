@@ -1,0 +1,67 @@
+// KvCacheServiceImpl: the kvcache.v1.KvCache gRPC service (callback API).
+// It translates messages to store calls and back, and is the one place where
+// absl::Status becomes grpc::Status. Encode/decode-heavy calls run on the
+// worker pool so that gRPC's callback threads never wait on them.
+#ifndef KVCACHE_SERVICE_KVCACHE_SERVICE_H_
+#define KVCACHE_SERVICE_KVCACHE_SERVICE_H_
+
+#include "grpcpp/grpcpp.h"
+#include "kvcache/v1/kvcache.grpc.pb.h"
+#include "service/metrics.h"
+#include "service/thread_pool.h"
+#include "store/store.h"
+
+namespace kvcache::service {
+
+// The single absl -> gRPC status mapping (the codes are the same numbers).
+grpc::Status ToGrpcStatus(const absl::Status& status);
+// "OK", "NOT_FOUND", ... as used in the requests_total{code} label.
+const char* GrpcCodeName(grpc::StatusCode code);
+
+class KvCacheServiceImpl final : public kvcache::v1::KvCache::CallbackService {
+ public:
+  KvCacheServiceImpl(store::Store* store, Metrics* metrics,
+                     ThreadPool* workers);
+
+  grpc::ServerUnaryReactor* RegisterNamespace(
+      grpc::CallbackServerContext* ctx,
+      const v1::RegisterNamespaceRequest* request,
+      v1::RegisterNamespaceResponse* response) override;
+  grpc::ServerUnaryReactor* Lookup(grpc::CallbackServerContext* ctx,
+                                   const v1::LookupRequest* request,
+                                   v1::LookupResponse* response) override;
+  grpc::ServerUnaryReactor* BeginWrite(
+      grpc::CallbackServerContext* ctx, const v1::BeginWriteRequest* request,
+      v1::BeginWriteResponse* response) override;
+  grpc::ServerUnaryReactor* CommitWrite(
+      grpc::CallbackServerContext* ctx, const v1::CommitWriteRequest* request,
+      v1::CommitWriteResponse* response) override;
+  grpc::ServerUnaryReactor* AbortWrite(
+      grpc::CallbackServerContext* ctx, const v1::AbortWriteRequest* request,
+      v1::AbortWriteResponse* response) override;
+  grpc::ServerUnaryReactor* BeginRead(grpc::CallbackServerContext* ctx,
+                                      const v1::BeginReadRequest* request,
+                                      v1::BeginReadResponse* response) override;
+  grpc::ServerUnaryReactor* EndRead(grpc::CallbackServerContext* ctx,
+                                    const v1::EndReadRequest* request,
+                                    v1::EndReadResponse* response) override;
+  grpc::ServerUnaryReactor* Delete(grpc::CallbackServerContext* ctx,
+                                   const v1::DeleteRequest* request,
+                                   v1::DeleteResponse* response) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx,
+                                  const v1::StatsRequest* request,
+                                  v1::StatsResponse* response) override;
+
+ private:
+  template <typename Fn>
+  grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx,
+                                const char* op, bool offload, Fn&& fn);
+
+  store::Store* store_;
+  Metrics* metrics_;
+  ThreadPool* workers_;
+};
+
+}  // namespace kvcache::service
+
+#endif  // KVCACHE_SERVICE_KVCACHE_SERVICE_H_

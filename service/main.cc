@@ -1,0 +1,45 @@
+// kvcache-node: runs one cache node until SIGTERM/SIGINT, then drains.
+#include <pthread.h>
+#include <signal.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "service/flags.h"
+#include "service/log.h"
+#include "service/node.h"
+
+int main(int argc, char** argv) {
+  using kvcache::service::LogError;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  absl::StatusOr<kvcache::service::ParsedFlags> flags =
+      kvcache::service::ParseNodeFlags(args);
+  if (!flags.ok()) {
+    LogError(absl::StrCat("kvcache-node: ", flags.status().message()));
+    return 2;
+  }
+  if (flags->help) {
+    std::fputs(kvcache::service::NodeUsage().c_str(), stdout);
+    return 0;
+  }
+  // Block the stop signals in every thread; this one waits for them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  kvcache::service::Node node(flags->options);
+  if (absl::Status s = node.Start(); !s.ok()) {
+    LogError(absl::StrCat("kvcache-node: cannot start: ", s.message()));
+    return 1;
+  }
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  kvcache::service::LogInfo(
+      absl::StrCat("received signal ", signal_number, ", draining"));
+  node.Drain();
+  return 0;
+}

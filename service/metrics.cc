@@ -1,0 +1,238 @@
+#include "service/metrics.h"
+
+#include <exception>
+#include <sstream>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/collectable.h"
+#include "prometheus/gauge.h"
+#include "prometheus/text_serializer.h"
+
+namespace kvcache::service {
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+MetricFamily Family(const std::string& name, const std::string& help,
+                    MetricType type) {
+  MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = type;
+  return f;
+}
+
+void AddValue(MetricFamily* f, double value,
+              std::vector<ClientMetric::Label> labels = {}) {
+  ClientMetric m;
+  m.label = std::move(labels);
+  if (f->type == MetricType::Counter) {
+    m.counter.value = value;
+  } else {
+    m.gauge.value = value;
+  }
+  f->metric.push_back(std::move(m));
+}
+
+std::string CodecLabel(size_t index) {
+  return std::string(kernels::CodecName(static_cast<kernels::Codec>(index)));
+}
+
+#ifndef KVCACHE_VERSION
+#define KVCACHE_VERSION "dev"
+#endif
+
+}  // namespace
+
+class Metrics::StoreCollector : public prometheus::Collectable {
+ public:
+  StoreCollector(const store::Store* store,
+                 std::shared_ptr<std::atomic<bool>> ready)
+      : store_(store), ready_(std::move(ready)) {}
+
+  std::vector<MetricFamily> Collect() const override {
+    store::StoreStats s = store_->Stats();
+    std::vector<MetricFamily> out;
+    auto gauge = [&](const char* name, const char* help, double v) {
+      out.push_back(Family(name, help, MetricType::Gauge));
+      AddValue(&out.back(), v);
+    };
+    gauge("kvcache_pool_capacity_bytes", "Bytes of the block pool.",
+          s.capacity_bytes);
+    gauge("kvcache_pool_used_bytes", "Pool bytes held by stored blocks.",
+          s.used_bytes);
+    gauge("kvcache_pool_reserved_bytes",
+          "Pool bytes reserved by open write leases.", s.reserved_bytes);
+    gauge("kvcache_pool_used_ratio", "Used over capacity bytes.",
+          s.capacity_bytes == 0
+              ? 0.0
+              : static_cast<double>(s.used_bytes) / s.capacity_bytes);
+    gauge("kvcache_pool_fragmentation_bytes",
+          "Unused tails of the pages that stored blocks hold.",
+          s.fragmentation_bytes);
+    gauge("kvcache_pinned_bytes", "Pool bytes pinned by reads and lookups.",
+          s.pinned_bytes);
+
+    MetricFamily blocks = Family("kvcache_blocks", "Stored blocks by codec.",
+                                 MetricType::Gauge);
+    MetricFamily tokens = Family("kvcache_stored_tokens",
+                                 "Stored tokens by codec.", MetricType::Gauge);
+    MetricFamily logical =
+        Family("kvcache_logical_bytes",
+               "fp16 bytes that the stored blocks stand for, by codec.",
+               MetricType::Gauge);
+    for (size_t c = 0; c < s.codecs.size(); ++c) {
+      AddValue(&blocks, s.codecs[c].blocks, {{"codec", CodecLabel(c)}});
+      AddValue(&tokens, s.codecs[c].tokens, {{"codec", CodecLabel(c)}});
+      AddValue(&logical, s.codecs[c].logical_bytes,
+               {{"codec", CodecLabel(c)}});
+    }
+    out.push_back(std::move(blocks));
+    out.push_back(std::move(tokens));
+    out.push_back(std::move(logical));
+
+    MetricFamily fit = Family(
+        "kvcache_token_capacity_remaining",
+        "Tokens that still fit in the free pool, per namespace layout and "
+        "codec.",
+        MetricType::Gauge);
+    for (const store::NamespaceStats& ns : s.namespaces) {
+      for (size_t c = 0; c < ns.tokens_that_fit.size(); ++c) {
+        AddValue(&fit, ns.tokens_that_fit[c],
+                 {{"codec", CodecLabel(c)}, {"namespace", ns.name}});
+      }
+    }
+    out.push_back(std::move(fit));
+
+    MetricFamily evictions = Family(
+        "kvcache_evictions_total", "Blocks removed, by reason.",
+        MetricType::Counter);
+    AddValue(&evictions, s.evictions_capacity, {{"reason", "capacity"}});
+    AddValue(&evictions, s.evictions_data_loss, {{"reason", "data_loss"}});
+    AddValue(&evictions, s.deleted, {{"reason", "deleted"}});
+    out.push_back(std::move(evictions));
+
+    out.push_back(Family("kvcache_data_loss_total",
+                         "Blocks that failed header or checksum "
+                         "verification on read.",
+                         MetricType::Counter));
+    AddValue(&out.back(), s.data_loss_events);
+
+    MetricFamily lookups = Family("kvcache_lookup_blocks_total",
+                                  "Looked-up blocks by result.",
+                                  MetricType::Counter);
+    AddValue(&lookups, s.lookup_hits, {{"result", "hit"}});
+    AddValue(&lookups, s.lookup_misses, {{"result", "miss"}});
+    out.push_back(std::move(lookups));
+
+    MetricFamily leases = Family("kvcache_active_leases",
+                                 "Open leases by kind.", MetricType::Gauge);
+    AddValue(&leases, s.active_read_leases, {{"kind", "read"}});
+    AddValue(&leases, s.active_write_leases, {{"kind", "write"}});
+    out.push_back(std::move(leases));
+
+    out.push_back(Family("kvcache_leases_expired_total",
+                         "Leases ended by their TTL.", MetricType::Counter));
+    AddValue(&out.back(), s.expired_leases);
+
+    gauge("kvcache_ready", "1 while serving, 0 while starting or draining.",
+          ready_->load() ? 1 : 0);
+    out.push_back(Family("kvcache_build_info", "Build of this node.",
+                         MetricType::Gauge));
+#ifdef KVCACHE_HAVE_CUDA_BUILD
+    const char* cuda = "true";
+#else
+    const char* cuda = "false";
+#endif
+    AddValue(&out.back(), 1, {{"cuda", cuda}, {"version", KVCACHE_VERSION}});
+    return out;
+  }
+
+ private:
+  const store::Store* store_;
+  std::shared_ptr<std::atomic<bool>> ready_;
+};
+
+Metrics::Metrics(const store::Store* store)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      ready_(std::make_shared<std::atomic<bool>>(false)) {
+  store_collector_ = std::make_shared<StoreCollector>(store, ready_);
+  requests_ = &prometheus::BuildCounter()
+                   .Name("kvcache_requests_total")
+                   .Help("Control-plane requests by operation and gRPC code.")
+                   .Register(*registry_);
+  request_duration_ =
+      &prometheus::BuildHistogram()
+           .Name("kvcache_request_duration_seconds")
+           .Help("Control-plane request latency by operation.")
+           .Register(*registry_);
+  quantize_duration_ = &prometheus::BuildHistogram()
+                            .Name("kvcache_quantize_duration_seconds")
+                            .Help("Time to encode one block, by codec.")
+                            .Register(*registry_);
+  transfer_bytes_ =
+      &prometheus::BuildCounter()
+           .Name("kvcache_transfer_bytes_total")
+           .Help("KV bytes moved by direction (in: writes, out: reads) and "
+                 "transport.")
+           .Register(*registry_);
+  // Series that exist before the first request, so dashboards and alerts
+  // see zeros rather than gaps.
+  for (const char* dir : {"in", "out"}) {
+    transfer_bytes_->Add({{"direction", dir}, {"transport", "grpc"}});
+  }
+}
+
+void Metrics::RecordRequest(absl::string_view op, absl::string_view code,
+                            double seconds) {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+      0.025,  0.05,    0.1,    0.25,  0.5,    1,     2.5};
+  requests_->Add({{"op", std::string(op)}, {"code", std::string(code)}})
+      .Increment();
+  request_duration_->Add({{"op", std::string(op)}}, kBuckets)
+      .Observe(seconds);
+}
+
+void Metrics::RecordQuantize(kernels::Codec codec, double seconds) {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001,
+      0.0025,  0.005,    0.01,    0.025,  0.05,    0.1};
+  quantize_duration_
+      ->Add({{"codec", std::string(kernels::CodecName(codec))}}, kBuckets)
+      .Observe(seconds);
+}
+
+void Metrics::RecordTransfer(absl::string_view direction,
+                             absl::string_view transport, uint64_t bytes) {
+  transfer_bytes_
+      ->Add({{"direction", std::string(direction)},
+             {"transport", std::string(transport)}})
+      .Increment(static_cast<double>(bytes));
+}
+
+absl::StatusOr<int> Metrics::Serve(const std::string& listen) {
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(listen);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", listen, ": ", e.what()));
+  }
+  exposer_->RegisterCollectable(registry_);
+  exposer_->RegisterCollectable(store_collector_);
+  std::vector<int> ports = exposer_->GetListeningPorts();
+  return ports.empty() ? 0 : ports.front();
+}
+
+std::string Metrics::Render() const {
+  std::vector<MetricFamily> families = registry_->Collect();
+  std::vector<MetricFamily> store_families = store_collector_->Collect();
+  families.insert(families.end(), store_families.begin(),
+                  store_families.end());
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+}  // namespace kvcache::service

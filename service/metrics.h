@@ -1,0 +1,58 @@
+// Metrics: the node's Prometheus registry (BRIEF section 7). Request and
+// quantize metrics are recorded as calls happen; capacity, accounting and
+// lease gauges are read from Store::Stats() at scrape time, so a scrape
+// always shows the bytes actually held. Every label value comes from a
+// closed set (op names, gRPC code names, codec names, registered namespaces
+// bounded by --max-namespaces); never keys or request ids.
+#ifndef KVCACHE_SERVICE_METRICS_H_
+#define KVCACHE_SERVICE_METRICS_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/strings/string_view.h"
+#include "kernels/codec.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/family.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "store/store.h"
+
+namespace kvcache::service {
+
+class Metrics {
+ public:
+  explicit Metrics(const store::Store* store);
+
+  void RecordRequest(absl::string_view op, absl::string_view code,
+                     double seconds);
+  void RecordQuantize(kernels::Codec codec, double seconds);
+  void RecordTransfer(absl::string_view direction,
+                      absl::string_view transport, uint64_t bytes);
+  void SetReady(bool ready) { ready_->store(ready); }
+
+  // Starts serving /metrics on host:port (port 0 picks one). Returns the
+  // bound port, or an error when the address cannot be bound.
+  absl::StatusOr<int> Serve(const std::string& listen);
+
+  // The exposition text, as a scrape would see it.
+  std::string Render() const;
+
+ private:
+  class StoreCollector;
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<StoreCollector> store_collector_;
+  std::shared_ptr<std::atomic<bool>> ready_;
+  prometheus::Family<prometheus::Counter>* requests_;
+  prometheus::Family<prometheus::Histogram>* request_duration_;
+  prometheus::Family<prometheus::Histogram>* quantize_duration_;
+  prometheus::Family<prometheus::Counter>* transfer_bytes_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+};
+
+}  // namespace kvcache::service
+
+#endif  // KVCACHE_SERVICE_METRICS_H_

@@ -1,0 +1,130 @@
+#include "service/node.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "service/kvcache_service.h"
+#include "service/log.h"
+#include "service/metrics.h"
+#include "service/thread_pool.h"
+
+namespace kvcache::service {
+
+Node::Node(NodeOptions options) : options_(std::move(options)) {}
+
+Node::~Node() { Drain(); }
+
+absl::Status Node::Start() {
+  absl::StatusOr<std::unique_ptr<store::Arena>> arena =
+      store::CreateArena(options_.memory);
+  if (!arena.ok()) return arena.status();
+  std::string arena_description = (*arena)->Describe();
+  absl::StatusOr<std::unique_ptr<store::Store>> store =
+      store::Store::Create(options_.store, *std::move(arena));
+  if (!store.ok()) return store.status();
+  store_ = *std::move(store);
+  metrics_ = std::make_unique<Metrics>(store_.get());
+  store_->SetQuantizeObserver([metrics = metrics_.get()](
+                                  kernels::Codec codec, double seconds) {
+    metrics->RecordQuantize(codec, seconds);
+  });
+  int threads = options_.worker_threads > 0
+                    ? options_.worker_threads
+                    : static_cast<int>(std::thread::hardware_concurrency());
+  workers_ = std::make_unique<ThreadPool>(threads);
+  service_ = std::make_unique<KvCacheServiceImpl>(store_.get(), metrics_.get(),
+                                                  workers_.get());
+
+  if (!options_.metrics_listen.empty()) {
+    absl::StatusOr<int> port = metrics_->Serve(options_.metrics_listen);
+    if (!port.ok()) return port.status();
+    metrics_port_ = *port;
+  }
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(),
+                           &port_);
+  builder.RegisterService(service_.get());
+  builder.SetMaxReceiveMessageSize(options_.max_request_bytes);
+  builder.SetMaxSendMessageSize(options_.max_request_bytes);
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen for gRPC on ", options_.listen));
+  }
+  if (!options_.health_listen.empty()) {
+    grpc::ServerBuilder health_builder;
+    health_builder.AddListeningPort(options_.health_listen,
+                                    grpc::InsecureServerCredentials(),
+                                    &health_port_);
+    health_server_ = health_builder.BuildAndStart();
+    if (health_server_ == nullptr || health_port_ == 0) {
+      server_->Shutdown();
+      return absl::UnavailableError(absl::StrCat(
+          "cannot listen for health checks on ", options_.health_listen));
+    }
+  }
+  reaper_ = std::thread([this] { ReaperLoop(); });
+  for (grpc::Server* s : {server_.get(), health_server_.get()}) {
+    if (s == nullptr) continue;
+    s->GetHealthCheckService()->SetServingStatus(true);
+    s->GetHealthCheckService()->SetServingStatus("kvcache.v1.KvCache", true);
+  }
+  metrics_->SetReady(true);
+  started_ = true;
+  LogInfo(absl::StrCat("kvcache-node serving gRPC on port ", port_,
+                       health_port_ ? absl::StrCat(", health on port ",
+                                                   health_port_)
+                                    : std::string(),
+                       metrics_port_ ? absl::StrCat(", metrics on port ",
+                                                    metrics_port_)
+                                     : std::string(),
+                       "; ", arena_description, ", page size ",
+                       options_.store.page_size, ", default codec ",
+                       kernels::CodecName(options_.store.default_codec)));
+  return absl::OkStatus();
+}
+
+void Node::ReaperLoop() {
+  while (!stop_reaper_.WaitForNotificationWithTimeout(
+      options_.reaper_interval)) {
+    int expired = store_->ExpireLeases(absl::Now());
+    if (expired > 0) {
+      LogInfo(absl::StrCat("expired ", expired, " abandoned lease(s)"));
+    }
+  }
+}
+
+void Node::Drain() {
+  absl::MutexLock lock(&drain_mu_);
+  if (drained_) return;
+  drained_ = true;
+  if (metrics_ != nullptr) metrics_->SetReady(false);
+  for (grpc::Server* s : {server_.get(), health_server_.get()}) {
+    if (s == nullptr) continue;
+    s->GetHealthCheckService()->SetServingStatus(false);
+  }
+  if (server_ != nullptr) {
+    if (started_) LogInfo("draining: health NOT_SERVING, finishing calls");
+    server_->Shutdown(std::chrono::system_clock::now() +
+                      absl::ToChronoSeconds(options_.drain_timeout));
+    server_->Wait();
+  }
+  workers_.reset();  // runs what is queued; every reactor has finished
+  if (health_server_ != nullptr) {
+    health_server_->Shutdown(std::chrono::system_clock::now());
+    health_server_->Wait();
+  }
+  if (reaper_.joinable()) {
+    stop_reaper_.Notify();
+    reaper_.join();
+  }
+  if (started_) LogInfo("drained");
+}
+
+}  // namespace kvcache::service

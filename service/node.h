@@ -1,0 +1,83 @@
+// Node: one cache node — the store, the gRPC control plane (with health
+// checking and reflection), an optional plaintext health-only server for
+// probes, the /metrics endpoint and the lease reaper — and its lifecycle.
+//
+// Lifecycle: Start() binds everything and turns health SERVING. Drain()
+// turns health NOT_SERVING (so probes and clients stop sending), lets
+// in-flight calls finish for up to drain_timeout, cancels what is left and
+// stops every server. Drain is idempotent and is called by the destructor.
+#ifndef KVCACHE_SERVICE_NODE_H_
+#define KVCACHE_SERVICE_NODE_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "store/arena.h"
+#include "store/store.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace kvcache::service {
+
+class KvCacheServiceImpl;
+class Metrics;
+class ThreadPool;
+
+struct NodeOptions {
+  std::string listen = "0.0.0.0:50051";
+  std::string health_listen;  // empty: none
+  std::string metrics_listen = "0.0.0.0:9464";  // empty: none
+  store::MemorySpec memory{store::MemoryKind::kHost, 0, 1ull << 30};
+  store::StoreOptions store;
+  int max_request_bytes = 256 << 20;
+  absl::Duration drain_timeout = absl::Seconds(20);
+  absl::Duration reaper_interval = absl::Milliseconds(200);
+  int worker_threads = 0;  // 0: hardware concurrency
+};
+
+class Node {
+ public:
+  explicit Node(NodeOptions options);
+  ~Node();
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+
+  absl::Status Start();
+  void Drain();
+
+  int port() const { return port_; }
+  int health_port() const { return health_port_; }
+  int metrics_port() const { return metrics_port_; }
+  store::Store* store() { return store_.get(); }
+  Metrics* metrics() { return metrics_.get(); }
+
+ private:
+  void ReaperLoop();
+
+  NodeOptions options_;
+  std::unique_ptr<store::Store> store_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<ThreadPool> workers_;
+  std::unique_ptr<KvCacheServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> health_server_;
+  std::thread reaper_;
+  absl::Notification stop_reaper_;
+  absl::Mutex drain_mu_;
+  bool started_ = false;
+  bool drained_ = false;
+  int port_ = 0;
+  int health_port_ = 0;
+  int metrics_port_ = 0;
+};
+
+}  // namespace kvcache::service
+
+#endif  // KVCACHE_SERVICE_NODE_H_

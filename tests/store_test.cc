@@ -1,0 +1,469 @@
+// Store: visibility, accounting, prefix-aware LRU eviction, leases,
+// integrity and concurrency.
+#include "store/store.h"
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "store/block_header.h"
+#include "tests/test_util.h"
+
+namespace kvcache::store {
+namespace {
+
+using kernels::Codec;
+using kvcache::testing::Key;
+using kvcache::testing::RandomBlock;
+using kvcache::testing::SmallShape;
+
+constexpr uint32_t kPage = 4096;
+
+std::unique_ptr<Store> MakeStore(uint64_t bytes, StoreOptions options = {}) {
+  options.page_size = kPage;
+  auto arena = CreateArena({MemoryKind::kHost, 0, bytes});
+  EXPECT_TRUE(arena.ok()) << arena.status();
+  auto store = Store::Create(options, *std::move(arena));
+  EXPECT_TRUE(store.ok()) << store.status();
+  return *std::move(store);
+}
+
+NamespaceConfig Config(const std::string& name, Codec codec) {
+  NamespaceConfig c;
+  c.name = name;
+  c.model = "test-model";
+  c.shape = SmallShape();
+  c.policy.codec = codec;
+  return c;
+}
+
+// Writes blocks [first, first+n) as one chain (each the previous one's
+// child) and returns the commit status.
+absl::Status WriteChain(Store* store, const std::string& ns, int first, int n,
+                        const std::string& parent = "") {
+  std::vector<BlockRef> refs;
+  std::vector<std::vector<uint16_t>> data;
+  for (int i = first; i < first + n; ++i) {
+    refs.push_back({Key(i), i == first ? parent : ""});
+    data.push_back(RandomBlock(SmallShape(), i));
+  }
+  auto begin = store->BeginWrite(ns, refs, absl::Seconds(10));
+  if (!begin.ok()) return begin.status();
+  std::vector<Store::Payload> payloads;
+  for (int i = 0; i < n; ++i) {
+    if (begin->present[i]) continue;
+    payloads.push_back(
+        {static_cast<uint32_t>(i),
+         absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(data[i].data()),
+                             data[i].size() * 2)});
+  }
+  return store->CommitWrite(begin->write_id, payloads).status();
+}
+
+std::vector<std::string> Keys(int first, int n) {
+  std::vector<std::string> k;
+  for (int i = first; i < first + n; ++i) k.push_back(Key(i));
+  return k;
+}
+
+TEST(StoreTest, RoundTripIsExactForCodecNone) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
+  auto read = store->BeginRead("ns", Keys(0, 3), ReadFormat::kFp16,
+                               absl::ZeroDuration(), 0, false);
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_EQ(read->blocks.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    std::vector<uint16_t> want = RandomBlock(SmallShape(), i);
+    ASSERT_EQ(read->blocks[i].data.size(), want.size() * 2);
+    EXPECT_EQ(std::memcmp(read->blocks[i].data.data(), want.data(),
+                          want.size() * 2),
+              0)
+        << "block " << i;
+  }
+}
+
+TEST(StoreTest, RawReadMatchesTheCodecAndDecodesToTheFp16Read) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kFp8E4M3)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 1).ok());
+  auto raw = store->BeginRead("ns", Keys(0, 1), ReadFormat::kRaw,
+                              absl::ZeroDuration(), 0, false);
+  auto fp16 = store->BeginRead("ns", Keys(0, 1), ReadFormat::kFp16,
+                               absl::ZeroDuration(), 0, false);
+  ASSERT_TRUE(raw.ok() && fp16.ok());
+  kernels::CodecPolicy policy;
+  policy.codec = Codec::kFp8E4M3;
+  std::vector<uint8_t> expected(kernels::EncodedBlockBytes(SmallShape(),
+                                                           policy));
+  std::vector<uint16_t> input = RandomBlock(SmallShape(), 0);
+  ASSERT_TRUE(
+      kernels::EncodeBlockReference(SmallShape(), policy, input, absl::MakeSpan(expected))
+          .ok());
+  ASSERT_EQ(raw->blocks[0].data.size(), expected.size());
+  EXPECT_EQ(std::memcmp(raw->blocks[0].data.data(), expected.data(),
+                        expected.size()),
+            0);
+  std::vector<uint16_t> decoded(input.size());
+  ASSERT_TRUE(kernels::DecodeBlockReference(SmallShape(), policy, expected,
+                                            absl::MakeSpan(decoded))
+                  .ok());
+  EXPECT_EQ(std::memcmp(fp16->blocks[0].data.data(), decoded.data(),
+                        decoded.size() * 2),
+            0);
+}
+
+TEST(StoreTest, WritesAreInvisibleUntilCommit) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  auto begin = store->BeginWrite("ns", {{Key(0), ""}}, absl::Seconds(10));
+  ASSERT_TRUE(begin.ok());
+  EXPECT_EQ(store->Lookup("ns", Keys(0, 1), false, absl::ZeroDuration())
+                ->prefix_blocks,
+            0u);
+  EXPECT_EQ(store->Stats().used_bytes, 0u);
+  EXPECT_GT(store->Stats().reserved_bytes, 0u);
+  ASSERT_TRUE(store->AbortWrite(begin->write_id).ok());
+  EXPECT_EQ(store->Stats().reserved_bytes, 0u);
+}
+
+TEST(StoreTest, DuplicateWritesCostNoTransfer) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 2).ok());
+  auto begin = store->BeginWrite("ns", {{Key(0), ""}, {Key(1), ""},
+                                        {Key(2), ""}},
+                                 absl::Seconds(10));
+  ASSERT_TRUE(begin.ok());
+  EXPECT_EQ(begin->present, (std::vector<bool>{true, true, false}));
+  std::vector<uint16_t> d = RandomBlock(SmallShape(), 2);
+  Store::Payload p{2, absl::MakeConstSpan(
+                          reinterpret_cast<const uint8_t*>(d.data()),
+                          d.size() * 2)};
+  auto commit = store->CommitWrite(begin->write_id, {p});
+  ASSERT_TRUE(commit.ok()) << commit.status();
+  EXPECT_EQ(commit->stored, 1u);
+  EXPECT_EQ(commit->skipped, 2u);
+}
+
+TEST(StoreTest, AccountingMatchesTheBytesHeld) {
+  auto store = MakeStore(4 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("a", Codec::kNone)).ok());
+  ASSERT_TRUE(store->RegisterNamespace(Config("b", Codec::kFp8E4M3)).ok());
+  ASSERT_TRUE(store->RegisterNamespace(Config("c", Codec::kKivi2)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "a", 0, 4).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "b", 0, 3).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "c", 0, 2).ok());
+  StoreStats s = store->Stats();
+  auto pages = [&](Codec codec) {
+    kernels::CodecPolicy p;
+    p.codec = codec;
+    size_t bytes = kernels::EncodedBlockBytes(SmallShape(), p);
+    return (bytes + kPage - 1) / kPage;
+  };
+  uint64_t expected_used = (4 * pages(Codec::kNone) +
+                            3 * pages(Codec::kFp8E4M3) +
+                            2 * pages(Codec::kKivi2)) *
+                           kPage;
+  EXPECT_EQ(s.used_bytes, expected_used);
+  EXPECT_EQ(s.codecs[0].blocks, 4u);
+  EXPECT_EQ(s.codecs[1].blocks, 3u);
+  EXPECT_EQ(s.codecs[3].blocks, 2u);
+  EXPECT_EQ(s.codecs[3].tokens, 2u * SmallShape().tokens_per_block);
+  EXPECT_EQ(s.codecs[1].logical_bytes, 3 * kernels::Fp16BlockBytes(SmallShape()));
+  uint64_t free_pages = (s.capacity_bytes - s.used_bytes) / kPage;
+  ASSERT_EQ(s.namespaces.size(), 3u);
+  for (Codec c : kernels::kAllCodecs) {
+    EXPECT_EQ(s.namespaces[0].tokens_that_fit[static_cast<size_t>(c)],
+              free_pages / pages(c) * SmallShape().tokens_per_block)
+        << kernels::CodecName(c);
+  }
+  ASSERT_TRUE(store->Delete("a", Keys(0, 4)).ok());
+  EXPECT_EQ(store->Stats().used_bytes,
+            (3 * pages(Codec::kFp8E4M3) + 2 * pages(Codec::kKivi2)) * kPage);
+}
+
+TEST(StoreTest, EvictionIsPrefixAwareThenLeastRecentlyUsed) {
+  // Room for exactly 6 fp16 blocks (4 pages each) plus the header slab.
+  StoreOptions options;
+  auto store = MakeStore(6 * 4 * kPage + 4096 + kPage, options);
+  ASSERT_EQ(store->Stats().capacity_bytes / kPage, 25u);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  // Chain A: 0 <- 1 <- 2; chain B: 10 <- 11; single block 20.
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 10, 2).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 20, 1).ok());
+  // Touch block 2 (leaf of A) and 20: leaf 11 is now least recently used.
+  ASSERT_TRUE(
+      store->Lookup("ns", {Key(0), Key(1), Key(2)}, false, absl::ZeroDuration())
+          .ok());
+  ASSERT_TRUE(store->Lookup("ns", {Key(20)}, false, absl::ZeroDuration()).ok());
+  // A new block needs 4 pages; one is free, so one leaf (4 pages) must go.
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 30, 1).ok());
+  auto has = [&](int i) {
+    return store->Lookup("ns", {Key(i)}, false, absl::ZeroDuration())
+               ->prefix_blocks == 1;
+  };
+  EXPECT_FALSE(has(11)) << "the LRU leaf goes first";
+  EXPECT_TRUE(has(10)) << "its parent stays: it was not a leaf";
+  // Block 10 was just touched by has(10); block 0 is the oldest block but is
+  // a parent, so it must survive while 1 and 2 are cached.
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 31, 1).ok());
+  EXPECT_TRUE(has(0));
+  EXPECT_TRUE(has(1));
+  EXPECT_EQ(store->Stats().evictions_capacity, 2u);
+}
+
+TEST(StoreTest, RandomChainsNeverEvictAParentBeforeItsChildren) {
+  std::mt19937 rng(7);
+  auto store = MakeStore(64 * 4 * kPage + 8192 + 4 * kPage);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  std::vector<std::pair<int, int>> chains;  // (first, length)
+  int next = 0;
+  for (int round = 0; round < 60; ++round) {
+    int length = 1 + rng() % 6;
+    ASSERT_TRUE(WriteChain(store.get(), "ns", next, length).ok());
+    chains.push_back({next, length});
+    next += length;
+    for (auto [first, n] : chains) {
+      // A cached block implies its whole chain prefix is cached.
+      auto found =
+          store->Lookup("ns", Keys(first, n), false, absl::ZeroDuration());
+      ASSERT_TRUE(found.ok());
+      for (int i = first; i < first + n; ++i) {
+        bool cached = store->Lookup("ns", {Key(i)}, false,
+                                    absl::ZeroDuration())
+                          ->prefix_blocks == 1;
+        if (cached) {
+          EXPECT_GT(found->prefix_blocks, static_cast<uint32_t>(i - first))
+              << "block " << i << " cached but a parent was evicted";
+        }
+      }
+    }
+  }
+  EXPECT_GT(store->Stats().evictions_capacity, 0u);
+}
+
+TEST(StoreTest, PinnedBlocksAreNotEvictedAndFullPoolIsResourceExhausted) {
+  auto store = MakeStore(2 * 4 * kPage + 4096 + kPage);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 1).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 1, 1).ok());
+  auto pin = store->Lookup("ns", {Key(0)}, true, absl::Seconds(30));
+  ASSERT_TRUE(pin.ok());
+  auto pin2 = store->Lookup("ns", {Key(1)}, true, absl::Seconds(30));
+  ASSERT_NE(pin->lease_id, 0u);
+  absl::Status full = WriteChain(store.get(), "ns", 2, 1);
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_EQ(store->Stats().pinned_bytes, 8u * kPage);
+  ASSERT_TRUE(store->EndLease(pin->lease_id).ok());
+  EXPECT_TRUE(WriteChain(store.get(), "ns", 2, 1).ok());
+  EXPECT_EQ(store->Lookup("ns", {Key(0)}, false, absl::ZeroDuration())
+                ->prefix_blocks,
+            0u);
+  EXPECT_EQ(store->Lookup("ns", {Key(1)}, false, absl::ZeroDuration())
+                ->prefix_blocks,
+            1u);
+  EXPECT_EQ(store->EndLease(pin->lease_id).code(),
+            absl::StatusCode::kNotFound);
+  ASSERT_TRUE(store->EndLease(pin2->lease_id).ok());
+}
+
+TEST(StoreTest, AbandonedLeasesExpireAndReturnTheirSpace) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 1).ok());
+  auto write = store->BeginWrite("ns", {{Key(5), ""}}, absl::Milliseconds(1));
+  auto pin = store->Lookup("ns", {Key(0)}, true, absl::Milliseconds(1));
+  ASSERT_TRUE(write.ok() && pin.ok());
+  EXPECT_GT(store->Stats().reserved_bytes, 0u);
+  EXPECT_GT(store->Stats().pinned_bytes, 0u);
+  EXPECT_EQ(store->ExpireLeases(absl::Now() + absl::Seconds(1)), 2);
+  StoreStats s = store->Stats();
+  EXPECT_EQ(s.reserved_bytes, 0u);
+  EXPECT_EQ(s.pinned_bytes, 0u);
+  EXPECT_EQ(s.active_read_leases + s.active_write_leases, 0u);
+  auto late = store->CommitWrite(write->write_id, {});
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(StoreTest, CorruptPayloadOrHeaderIsDataLossAndDropsTheBlock) {
+  for (bool header : {false, true}) {
+    auto store = MakeStore(1 << 20);
+    ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kFp8E4M3)).ok());
+    ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
+    uint64_t used_before = store->Stats().used_bytes;
+    ASSERT_TRUE(store->CorruptBlockForTest("ns", Key(1), header).ok());
+    auto read = store->BeginRead("ns", Keys(0, 3), ReadFormat::kFp16,
+                                 absl::ZeroDuration(), 0, false);
+    EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss)
+        << read.status();
+    StoreStats s = store->Stats();
+    EXPECT_EQ(s.data_loss_events, 1u);
+    EXPECT_EQ(s.evictions_data_loss, 1u);
+    EXPECT_EQ(s.pinned_bytes, 0u);
+    EXPECT_LT(s.used_bytes, used_before);
+    EXPECT_EQ(store->Lookup("ns", Keys(0, 3), false, absl::ZeroDuration())
+                  ->prefix_blocks,
+              1u);
+    // The intact block still reads.
+    EXPECT_TRUE(store
+                    ->BeginRead("ns", Keys(0, 1), ReadFormat::kFp16,
+                                absl::ZeroDuration(), 0, false)
+                    .ok());
+  }
+}
+
+TEST(StoreTest, FailedCommitStoresNothingAndKeepsEarlierData) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kFp8E4M3)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 1).ok());
+  auto begin =
+      store->BeginWrite("ns", {{Key(1), ""}, {Key(2), ""}}, absl::Seconds(5));
+  ASSERT_TRUE(begin.ok());
+  std::vector<uint16_t> good = RandomBlock(SmallShape(), 1);
+  std::vector<uint16_t> bad = RandomBlock(SmallShape(), 2);
+  bad[100] = 0x7E00;  // NaN
+  auto bytes = [](const std::vector<uint16_t>& v) {
+    return absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(v.data()),
+                               v.size() * 2);
+  };
+  auto commit =
+      store->CommitWrite(begin->write_id, {{0, bytes(good)}, {1, bytes(bad)}});
+  EXPECT_EQ(commit.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->Lookup("ns", {Key(1)}, false, absl::ZeroDuration())
+                ->prefix_blocks,
+            0u);
+  StoreStats s = store->Stats();
+  EXPECT_EQ(s.reserved_bytes, 0u);
+  EXPECT_EQ(s.codecs[1].blocks, 1u);
+  EXPECT_TRUE(store
+                  ->BeginRead("ns", Keys(0, 1), ReadFormat::kFp16,
+                              absl::ZeroDuration(), 0, false)
+                  .ok());
+}
+
+TEST(StoreTest, RegistrationRules) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  auto again = store->RegisterNamespace(Config("ns", Codec::kNone));
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->already_registered);
+  NamespaceConfig other = Config("ns", Codec::kNone);
+  other.shape.num_layers = 3;
+  EXPECT_EQ(store->RegisterNamespace(other).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->RegisterNamespace(Config("bad name!", Codec::kNone))
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  NamespaceConfig kivi = Config("kivi", Codec::kKivi2);
+  kivi.shape.tokens_per_block = 16;  // not a multiple of G = 32
+  EXPECT_EQ(store->RegisterNamespace(kivi).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  NamespaceConfig defaulted = Config("default", Codec::kNone);
+  defaulted.codec_specified = false;
+  auto info = store->RegisterNamespace(defaulted);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->config.policy.codec, Codec::kFp8E4M3);
+}
+
+TEST(StoreTest, BadKeysAreInvalidArgument) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  EXPECT_EQ(store->Lookup("ns", {""}, false, absl::ZeroDuration())
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->Lookup("ns", {std::string(65, 'k')}, false,
+                          absl::ZeroDuration())
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->BeginWrite("ns", {{Key(1), ""}, {Key(1), ""}},
+                              absl::Seconds(1))
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->Lookup("missing", {Key(0)}, false, absl::ZeroDuration())
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
+}
+
+// Writers, readers, deleters and evictions at once; every block read back
+// holds exactly the bytes written for its key. Run under TSan in CI.
+TEST(StoreTest, ConcurrentStressNeverReturnsWrongBytes) {
+  auto store = MakeStore(48 * 4 * kPage + 8192 + 4 * kPage);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  std::atomic<int> wrong{0}, reads{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int op = 0; op < 300; ++op) {
+        int first = static_cast<int>(rng() % 200);
+        int n = 1 + static_cast<int>(rng() % 4);
+        switch (rng() % 4) {
+          case 0:
+          case 1: {
+            absl::Status s = WriteChain(store.get(), "ns", first, n);
+            if (!s.ok() && s.code() != absl::StatusCode::kResourceExhausted) {
+              ADD_FAILURE() << s;
+            }
+            break;
+          }
+          case 2: {
+            auto r = store->BeginRead("ns", Keys(first, 1), ReadFormat::kFp16,
+                                      absl::ZeroDuration(), 0, false);
+            if (!r.ok()) break;  // evicted or never written: a miss
+            ++reads;
+            std::vector<uint16_t> want = RandomBlock(SmallShape(), first);
+            if (std::memcmp(r->blocks[0].data.data(), want.data(),
+                            want.size() * 2) != 0) {
+              ++wrong;
+            }
+            break;
+          }
+          default:
+            (void)store->Delete("ns", Keys(first, 1));
+        }
+      }
+    });
+  }
+  std::thread reaper([&] {
+    for (int i = 0; i < 50; ++i) {
+      store->ExpireLeases(absl::Now());
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  });
+  for (auto& th : threads) th.join();
+  reaper.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GT(reads.load(), 0);
+  StoreStats s = store->Stats();
+  EXPECT_EQ(s.pinned_bytes, 0u);
+  EXPECT_EQ(s.reserved_bytes, 0u);
+  EXPECT_EQ(s.used_bytes, s.codecs[0].blocks * 4 * kPage);
+}
+
+TEST(ArenaTest, ParsesMemorySpecsAndRefusesTheMissingGpuTier) {
+  auto host = ParseMemorySpec("host:1GiB");
+  ASSERT_TRUE(host.ok());
+  EXPECT_EQ(host->bytes, 1ull << 30);
+  EXPECT_EQ(ParseMemorySpec("host:512M")->bytes, 512ull << 20);
+  EXPECT_FALSE(ParseMemorySpec("host:").ok());
+  EXPECT_FALSE(ParseMemorySpec("disk:1GiB").ok());
+  EXPECT_FALSE(ParseMemorySpec("host:0").ok());
+  auto gpu = ParseMemorySpec("gpu:0:48GiB");
+  ASSERT_TRUE(gpu.ok());
+  auto arena = CreateArena(*gpu);
+  EXPECT_EQ(arena.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(arena.status().message().find("gpu"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvcache::store
