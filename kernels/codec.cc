@@ -1,0 +1,304 @@
+#include "kernels/codec.h"
+
+#include <cmath>
+#include <vector>
+
+#include "absl/base/config.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/codec_internal.h"
+#include "kernels/codec_simd.h"
+#include "kernels/half.h"
+
+namespace kvcache::kernels {
+
+#if !defined(ABSL_IS_LITTLE_ENDIAN)
+#error "kernels/ assumes a little-endian host (fp16 sections are copied as is)"
+#endif
+
+namespace {
+
+using internal::Section;
+using EncodeSectionFn = void (*)(const Section&, const uint16_t*, uint8_t*);
+using DecodeSectionFn = void (*)(const Section&, const uint8_t*, uint16_t*);
+using FindNonFiniteFn = size_t (*)(const uint16_t*, size_t);
+
+// Limits that keep every index computation far from overflow.
+constexpr uint64_t kMaxSectionElements = uint64_t{1} << 32;
+constexpr uint64_t kMaxBlockBytes = uint64_t{1} << 44;
+
+bool ValidCodec(Codec c) {
+  for (Codec k : kAllCodecs) {
+    if (k == c) return true;
+  }
+  return false;
+}
+
+// The sections of a block in storage order, with the static scales of each
+// expanded to one per kv head.
+class SectionPlan {
+ public:
+  SectionPlan(const BlockShape& shape, const CodecPolicy& policy) {
+    const uint32_t L = shape.num_layers, H = shape.num_kv_heads;
+    std::vector<bool> fp16_layer(L, false);
+    for (uint32_t l : policy.fp16_layers) fp16_layer[l] = true;
+    const bool fp8 = internal::IsFp8(policy.codec);
+    const bool per_layer = policy.scale_mode == ScaleMode::kStaticPerLayer;
+    const bool is_static = fp8 && policy.scale_mode != ScaleMode::kDynamic;
+    if (is_static) scales_.resize(size_t{2} * L * H);
+    sections_.reserve(size_t{2} * L);
+    for (uint32_t l = 0; l < L; ++l) {
+      for (int tensor = 0; tensor < 2; ++tensor) {
+        Section s;
+        s.codec = fp16_layer[l] ? Codec::kNone : policy.codec;
+        s.is_key = tensor == 0;
+        s.tokens = shape.tokens_per_block;
+        s.heads = H;
+        s.dim = shape.head_dim;
+        s.group = policy.kivi_group_size;
+        if (is_static && s.codec != Codec::kNone) {
+          const std::vector<float>& src =
+              tensor == 0 ? policy.static_k_scales : policy.static_v_scales;
+          float* dst = &scales_[(size_t{2} * l + tensor) * H];
+          for (uint32_t h = 0; h < H; ++h) {
+            dst[h] = per_layer ? src[l] : src[size_t{l} * H + h];
+          }
+          s.static_scales = dst;
+        }
+        sections_.push_back(s);
+      }
+    }
+  }
+
+  const std::vector<Section>& sections() const { return sections_; }
+
+  size_t EncodedBytes() const {
+    size_t total = 0;
+    for (const Section& s : sections_) total += internal::SectionBytes(s);
+    return total;
+  }
+
+ private:
+  std::vector<Section> sections_;
+  std::vector<float> scales_;
+};
+
+// INVALID_ARGUMENT naming the first non-finite input value.
+absl::Status CheckFinite(const BlockShape& shape, absl::Span<const uint16_t> in,
+                         FindNonFiniteFn find) {
+  const size_t T = shape.tokens_per_block, H = shape.num_kv_heads,
+               D = shape.head_dim;
+  const size_t section = T * H * D;
+  const size_t bad = find(in.data(), in.size());
+  if (bad == in.size()) return absl::OkStatus();
+  const size_t layer = bad / (2 * section);
+  const bool key = (bad / section) % 2 == 0;
+  const size_t i = bad % section;
+  const size_t token = i / (H * D), head = (i / D) % H, channel = i % D;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "non-finite input (", HalfToFloat(in[bad]), ") at layer ", layer, " ",
+      key ? "K" : "V", " head ", head, " (token ", token, ", channel ", channel,
+      "); a KV cache never holds inf or NaN"));
+}
+
+absl::Status EncodeWith(const BlockShape& shape, const CodecPolicy& policy,
+                        absl::Span<const uint16_t> in, absl::Span<uint8_t> out,
+                        EncodeSectionFn encode, FindNonFiniteFn find) {
+  if (absl::Status st = ValidatePolicy(shape, policy); !st.ok()) return st;
+  const size_t in_elems = Fp16BlockBytes(shape) / 2;
+  const SectionPlan plan(shape, policy);
+  const size_t out_bytes = plan.EncodedBytes();
+  if (in.size() != in_elems) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("EncodeBlock: input holds ", in.size(),
+                     " fp16 values, the block shape needs ", in_elems));
+  }
+  if (out.size() != out_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("EncodeBlock: output holds ", out.size(),
+                     " bytes, the encoded block needs ", out_bytes));
+  }
+  if (absl::Status st = CheckFinite(shape, in, find); !st.ok()) return st;
+  const uint16_t* src = in.data();
+  uint8_t* dst = out.data();
+  for (const Section& s : plan.sections()) {
+    encode(s, src, dst);
+    src += s.elements();
+    dst += internal::SectionBytes(s);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeWith(const BlockShape& shape, const CodecPolicy& policy,
+                        absl::Span<const uint8_t> in, absl::Span<uint16_t> out,
+                        DecodeSectionFn decode) {
+  if (absl::Status st = ValidatePolicy(shape, policy); !st.ok()) return st;
+  const size_t out_elems = Fp16BlockBytes(shape) / 2;
+  const SectionPlan plan(shape, policy);
+  const size_t in_bytes = plan.EncodedBytes();
+  if (in.size() != in_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeBlock: input holds ", in.size(),
+                     " bytes, the encoded block has ", in_bytes));
+  }
+  if (out.size() != out_elems) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeBlock: output holds ", out.size(),
+                     " fp16 values, the block shape needs ", out_elems));
+  }
+  const uint8_t* src = in.data();
+  uint16_t* dst = out.data();
+  for (const Section& s : plan.sections()) {
+    decode(s, src, dst);
+    src += internal::SectionBytes(s);
+    dst += s.elements();
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::string_view CodecName(Codec c) {
+  switch (c) {
+    case Codec::kNone:
+      return "none";
+    case Codec::kFp8E4M3:
+      return "fp8_e4m3";
+    case Codec::kFp8E5M2:
+      return "fp8_e5m2";
+    case Codec::kKivi2:
+      return "kivi2";
+    case Codec::kKivi4:
+      return "kivi4";
+  }
+  return "unknown";
+}
+
+std::optional<Codec> CodecFromName(absl::string_view name) {
+  for (Codec c : kAllCodecs) {
+    if (CodecName(c) == name) return c;
+  }
+  return std::nullopt;
+}
+
+absl::Status ValidatePolicy(const BlockShape& shape,
+                            const CodecPolicy& policy) {
+  const uint64_t L = shape.num_layers, H = shape.num_kv_heads,
+                 D = shape.head_dim, T = shape.tokens_per_block;
+  if (L == 0 || H == 0 || D == 0 || T == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block shape has a zero dimension: num_layers=", L, " num_kv_heads=", H,
+        " head_dim=", D, " tokens_per_block=", T));
+  }
+  // T*H*D < 2^96 here, but check step by step to stay within 64 bits.
+  if (T * H > kMaxSectionElements || T * H * D > kMaxSectionElements ||
+      L * 4 * T * H * D > kMaxBlockBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block shape too large: num_layers=", L, " num_kv_heads=", H,
+        " head_dim=", D, " tokens_per_block=", T));
+  }
+  if (!ValidCodec(policy.codec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown codec ", static_cast<int>(policy.codec)));
+  }
+  for (uint32_t l : policy.fp16_layers) {
+    if (l >= L) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "fp16 layer ", l, " is out of range: the block has ", L, " layers"));
+    }
+  }
+  const bool fp8 = internal::IsFp8(policy.codec);
+  const absl::string_view name = CodecName(policy.codec);
+  switch (policy.scale_mode) {
+    case ScaleMode::kDynamic:
+      if (!policy.static_k_scales.empty() || !policy.static_v_scales.empty()) {
+        return absl::InvalidArgumentError(
+            "static scales were given with a dynamic scale mode");
+      }
+      break;
+    case ScaleMode::kStaticPerLayer:
+    case ScaleMode::kStaticPerLayerHead: {
+      if (!fp8) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "a static scale mode is for fp8 codecs only, not ", name));
+      }
+      const bool per_head = policy.scale_mode == ScaleMode::kStaticPerLayerHead;
+      const uint64_t want = per_head ? L * H : L;
+      for (int tensor = 0; tensor < 2; ++tensor) {
+        const std::vector<float>& v =
+            tensor == 0 ? policy.static_k_scales : policy.static_v_scales;
+        const char* which = tensor == 0 ? "static_k_scales" : "static_v_scales";
+        if (v.size() != want) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(which, " has ", v.size(), " entries, ",
+                           per_head ? "per-layer-per-head" : "per-layer",
+                           " mode needs ", want));
+        }
+        for (size_t i = 0; i < v.size(); ++i) {
+          if (!std::isfinite(v[i]) || !(v[i] > 0.0f)) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                which, "[", i, "] = ", v[i], " is not a finite value > 0"));
+          }
+        }
+      }
+      break;
+    }
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown scale mode ", static_cast<int>(policy.scale_mode)));
+  }
+  if (internal::IsKivi(policy.codec)) {
+    const uint32_t G = policy.kivi_group_size;
+    if (G == 0) {
+      return absl::InvalidArgumentError("kivi group size must be > 0");
+    }
+    if (T % G != 0 || D % G != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " group size ", G, " must divide tokens_per_block (", T,
+          ") and head_dim (", D, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+size_t Fp16BlockBytes(const BlockShape& shape) {
+  return size_t{shape.num_layers} * 2 * shape.tokens_per_block *
+         shape.num_kv_heads * shape.head_dim * 2;
+}
+
+size_t EncodedBlockBytes(const BlockShape& shape, const CodecPolicy& policy) {
+  return SectionPlan(shape, policy).EncodedBytes();
+}
+
+absl::Status EncodeBlock(const BlockShape& shape, const CodecPolicy& policy,
+                         absl::Span<const uint16_t> fp16_in,
+                         absl::Span<uint8_t> encoded_out) {
+  return EncodeWith(shape, policy, fp16_in, encoded_out,
+                    &internal::EncodeSectionSimd,
+                    &internal::FindNonFiniteHalfSimd);
+}
+
+absl::Status DecodeBlock(const BlockShape& shape, const CodecPolicy& policy,
+                         absl::Span<const uint8_t> encoded_in,
+                         absl::Span<uint16_t> fp16_out) {
+  return DecodeWith(shape, policy, encoded_in, fp16_out,
+                    &internal::DecodeSectionSimd);
+}
+
+absl::Status EncodeBlockReference(const BlockShape& shape,
+                                  const CodecPolicy& policy,
+                                  absl::Span<const uint16_t> fp16_in,
+                                  absl::Span<uint8_t> encoded_out) {
+  return EncodeWith(shape, policy, fp16_in, encoded_out,
+                    &internal::EncodeSectionReference,
+                    &internal::FindNonFiniteHalfReference);
+}
+
+absl::Status DecodeBlockReference(const BlockShape& shape,
+                                  const CodecPolicy& policy,
+                                  absl::Span<const uint8_t> encoded_in,
+                                  absl::Span<uint16_t> fp16_out) {
+  return DecodeWith(shape, policy, encoded_in, fp16_out,
+                    &internal::DecodeSectionReference);
+}
+
+}  // namespace kvcache::kernels

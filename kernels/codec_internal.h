@@ -1,0 +1,70 @@
+// Internal to kernels/: one (layer, tensor) section of a block, and the
+// per-section encoders of each implementation. See codec.h for the layouts.
+#ifndef KVCACHE_KERNELS_CODEC_INTERNAL_H_
+#define KVCACHE_KERNELS_CODEC_INTERNAL_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/codec.h"
+
+namespace kvcache::kernels::internal {
+
+struct Section {
+  Codec codec = Codec::kNone;  // kNone: the section is kept at fp16
+  bool is_key = true;          // K (true) or V (false)
+  uint32_t tokens = 0;         // T
+  uint32_t heads = 0;          // H
+  uint32_t dim = 0;            // D
+  uint32_t group = 32;         // KIVI group size G
+  // fp8: nullptr for dynamic scales (stored in the section), otherwise
+  // `heads` static scales, one per kv head.
+  const float* static_scales = nullptr;
+
+  size_t elements() const { return static_cast<size_t>(tokens) * heads * dim; }
+};
+
+inline bool IsFp8(Codec c) {
+  return c == Codec::kFp8E4M3 || c == Codec::kFp8E5M2;
+}
+inline bool IsKivi(Codec c) { return c == Codec::kKivi2 || c == Codec::kKivi4; }
+inline uint32_t KiviBits(Codec c) { return c == Codec::kKivi2 ? 2 : 4; }
+inline float Fp8Max(Codec c) {
+  return c == Codec::kFp8E4M3 ? 448.0f : 57344.0f;
+}
+
+// Encoded size of one section.
+size_t SectionBytes(const Section& s);
+
+// Scalar reference. `in` holds s.elements() fp16 values, `out` holds
+// SectionBytes(s) bytes. The input is finite (checked by the caller).
+void EncodeSectionReference(const Section& s, const uint16_t* in, uint8_t* out);
+void DecodeSectionReference(const Section& s, const uint8_t* in, uint16_t* out);
+
+// Index of the first non-finite fp16 value in in[0, n), n when none is.
+inline size_t FindNonFiniteHalfReference(const uint16_t* in, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if ((in[i] & 0x7C00u) == 0x7C00u) return i;
+  }
+  return n;
+}
+
+// Little-endian loads and stores of metadata.
+inline void StoreLe16(uint8_t* p, uint16_t v) {
+  p[0] = static_cast<uint8_t>(v);
+  p[1] = static_cast<uint8_t>(v >> 8);
+}
+inline uint16_t LoadLe16(const uint8_t* p) {
+  return static_cast<uint16_t>(p[0] | (p[1] << 8));
+}
+inline void StoreLe32(uint8_t* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+inline uint32_t LoadLe32(const uint8_t* p) {
+  return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
+         static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
+}
+
+}  // namespace kvcache::kernels::internal
+
+#endif  // KVCACHE_KERNELS_CODEC_INTERNAL_H_

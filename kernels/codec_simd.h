@@ -1,0 +1,32 @@
+// Internal to kernels/: the Highway SIMD section codecs (runtime dispatch to
+// the best instruction set of the CPU: AVX-512, AVX2, SSE4, SSSE3 or the
+// portable 128-bit emulation). Bit-identical to the scalar reference.
+#ifndef KVCACHE_KERNELS_CODEC_SIMD_H_
+#define KVCACHE_KERNELS_CODEC_SIMD_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/codec_internal.h"
+
+namespace kvcache::kernels::internal {
+
+void EncodeSectionSimd(const Section& s, const uint16_t* in, uint8_t* out);
+void DecodeSectionSimd(const Section& s, const uint8_t* in, uint16_t* out);
+// Index of the first non-finite fp16 value in in[0, n), n when none is.
+size_t FindNonFiniteHalfSimd(const uint16_t* in, size_t n);
+
+// For tests and benchmarks: the Highway targets compiled into this library
+// that this CPU supports (best first), the name of a target, the target the
+// dispatcher uses now, and a way to force one target (0 restores the
+// default). Forcing is process-wide and not thread-safe.
+std::vector<int64_t> SimdTargets();
+std::string SimdTargetName(int64_t target);
+std::string ActiveSimdTarget();
+void ForceSimdTargetForTest(int64_t target);
+
+}  // namespace kvcache::kernels::internal
+
+#endif  // KVCACHE_KERNELS_CODEC_SIMD_H_

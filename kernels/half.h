@@ -1,0 +1,90 @@
+// IEEE 754 binary16 ("half", fp16) <-> binary32 conversions, scalar.
+//
+// These are the reference conversions used by every codec (BRIEF section 4):
+// float -> half rounds to nearest, ties to even, produces subnormals, and
+// overflows to infinity; half -> float is exact. They are written with integer
+// operations only, so they do not depend on the floating-point environment,
+// and they agree bit for bit with the x86 F16C instruction VCVTPS2PH in
+// round-to-nearest mode, including NaN payloads (a NaN keeps its sign and the
+// top 10 bits of its payload and is made quiet).
+#ifndef KVCACHE_KERNELS_HALF_H_
+#define KVCACHE_KERNELS_HALF_H_
+
+#include <cstdint>
+#include <cstring>
+
+namespace kvcache::kernels {
+
+inline uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+inline float FloatFromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// True when the fp16 bit pattern is an infinity or a NaN.
+inline bool HalfIsNonFinite(uint16_t h) { return (h & 0x7C00u) == 0x7C00u; }
+
+// Exact conversion of an fp16 bit pattern to fp32.
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu;
+  uint32_t man = h & 0x3FFu;
+  uint32_t bits;
+  if (exp == 0x1Fu) {  // inf / NaN: keep the payload.
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {  // normal
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {  // signed zero
+    bits = sign;
+  } else {             // subnormal: value = man * 2^-24; normalize.
+    uint32_t e = 113;  // exponent field of 2^-14
+    while ((man & 0x400u) == 0) {
+      man <<= 1;
+      --e;
+    }
+    bits = sign | (e << 23) | ((man & 0x3FFu) << 13);
+  }
+  return FloatFromBits(bits);
+}
+
+// fp32 -> fp16, round to nearest even, subnormals, overflow to infinity.
+inline uint16_t HalfFromFloat(float f) {
+  const uint32_t x = FloatBits(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7FFFFFFFu;
+  if (ax > 0x7F800000u) {  // NaN: quiet, top payload bits kept.
+    return static_cast<uint16_t>(sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
+  }
+  if (ax >= 0x477FF000u) {  // >= 65520 rounds to (or is) infinity.
+    return static_cast<uint16_t>(sign | 0x7C00u);
+  }
+  if (ax >= 0x38800000u) {  // >= 2^-14: normal half.
+    // Round the 13 dropped mantissa bits to nearest even; a carry into the
+    // exponent field is the correct result.
+    const uint32_t rounded = ax + 0x0FFFu + ((ax >> 13) & 1u);
+    return static_cast<uint16_t>(sign | ((rounded >> 13) - (112u << 10)));
+  }
+  if (ax <= 0x33000000u) {  // <= 2^-25: rounds to zero (2^-25 ties to 0).
+    return static_cast<uint16_t>(sign);
+  }
+  // Subnormal half: the result is round(|f| / 2^-24). |f| = m * 2^(e - 150)
+  // with the implicit bit in m, so |f| / 2^-24 = m >> (126 - e).
+  const uint32_t e = ax >> 23;  // in [102, 112]
+  const uint32_t m = (ax & 0x7FFFFFu) | 0x800000u;
+  const uint32_t shift = 126u - e;  // in [14, 24]
+  uint32_t q = m >> shift;
+  const uint32_t rem = m & ((1u << shift) - 1u);
+  const uint32_t halfway = 1u << (shift - 1u);
+  if (rem > halfway || (rem == halfway && (q & 1u) != 0)) ++q;
+  return static_cast<uint16_t>(sign | q);  // q == 0x400 is the smallest normal
+}
+
+}  // namespace kvcache::kernels
+
+#endif  // KVCACHE_KERNELS_HALF_H_
