@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# End to end on real processes: starts kvcache-node, drives the demo workload
+# through the client, pipes /metrics through `promtool check metrics` (any
+# finding fails), then sends SIGTERM and expects a drained exit 0.
+# Usage: node_process_test.sh BIN_DIR
+set -euo pipefail
+bin_dir=$1
+work=$(mktemp -d)
+node_pid=
+cleanup() {
+  if [[ -n $node_pid ]] && kill -0 "$node_pid" 2>/dev/null; then
+    kill -KILL "$node_pid" || true
+  fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+"$bin_dir/service/kvcache-node" --listen=127.0.0.1:0 \
+  --metrics-listen=127.0.0.1:0 --health-listen=127.0.0.1:0 \
+  --memory=host:512MiB --page-size=16KiB 2>"$work/node.log" &
+node_pid=$!
+for _ in $(seq 1 100); do
+  grep -q "serving gRPC" "$work/node.log" && break
+  sleep 0.1
+done
+grpc_port=$(sed -n 's/.*serving gRPC on port \([0-9]*\).*/\1/p' "$work/node.log")
+metrics_port=$(sed -n 's/.*metrics on port \([0-9]*\).*/\1/p' "$work/node.log")
+[[ -n $grpc_port && -n $metrics_port ]] || { cat "$work/node.log"; exit 1; }
+
+timeout 300 "$bin_dir/tools/kvcache-demo" --node="127.0.0.1:$grpc_port" \
+  --metrics="127.0.0.1:$metrics_port" --conversations=3 --turns=2 \
+  | tee "$work/demo.txt"
+grep -q "quantization buys" "$work/demo.txt"
+
+curl -sf --max-time 10 "http://127.0.0.1:$metrics_port/metrics" >"$work/metrics.txt"
+for name in kvcache_pool_capacity_bytes kvcache_token_capacity_remaining \
+    kvcache_requests_total kvcache_blocks kvcache_stored_tokens; do
+  grep -q "^$name" "$work/metrics.txt" || { echo "missing $name"; exit 1; }
+done
+findings=$(promtool check metrics <"$work/metrics.txt" 2>&1) || {
+  echo "promtool check metrics failed:"; echo "$findings"; exit 1; }
+if [[ -n $findings ]]; then
+  echo "promtool check metrics findings:"; echo "$findings"; exit 1
+fi
+echo "promtool check metrics: clean ($(grep -vc '^#' "$work/metrics.txt") samples)"
+
+kill -TERM "$node_pid"
+rc=0
+timeout 30 tail --pid="$node_pid" -f /dev/null || rc=$?
+wait "$node_pid" || rc=$?
+node_pid=
+grep -q "drained" "$work/node.log" || { cat "$work/node.log"; exit 1; }
+[[ $rc -eq 0 ]] || { echo "node exited $rc after SIGTERM"; exit 1; }
+echo "SIGTERM: drained, exit 0"
