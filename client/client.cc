@@ -35,9 +35,9 @@ absl::Status FromGrpc(const grpc::Status& status,
                    status.error_message());
   const auto& trailers = ctx.GetServerTrailingMetadata();
   if (auto it = trailers.find(kRetryAfterKey); it != trailers.end()) {
-    out.SetPayload(kRetryPayloadUrl,
-                   absl::Cord(std::string(it->second.data(),
-                                          it->second.size())));
+    out.SetPayload(
+        kRetryPayloadUrl,
+        absl::Cord(std::string(it->second.data(), it->second.size())));
   }
   return out;
 }
@@ -205,8 +205,8 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
     v1::CommitWriteResponse commit_response;
     grpc::ClientContext ctx;
     impl_->Prepare(&ctx);
-    absl::Status st = FromGrpc(
-        impl_->stub->CommitWrite(&ctx, commit, &commit_response), ctx);
+    absl::Status st =
+        FromGrpc(impl_->stub->CommitWrite(&ctx, commit, &commit_response), ctx);
     if (!st.ok()) return st;
     total.stored += commit_response.blocks_stored();
     total.skipped += commit_response.blocks_skipped();
@@ -291,8 +291,7 @@ absl::StatusOr<NodeStats> Client::Stats() {
   v1::StatsResponse response;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx);
-  absl::Status st =
-      FromGrpc(impl_->stub->Stats(&ctx, request, &response), ctx);
+  absl::Status st = FromGrpc(impl_->stub->Stats(&ctx, request, &response), ctx);
   if (!st.ok()) return st;
   NodeStats s;
   s.capacity_bytes = response.capacity_bytes();

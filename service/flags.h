@@ -18,7 +18,8 @@ struct ParsedFlags {
 
 std::string NodeUsage();
 // INVALID_ARGUMENT naming the flag for an unknown flag or a bad value.
-absl::StatusOr<ParsedFlags> ParseNodeFlags(const std::vector<std::string>& args);
+absl::StatusOr<ParsedFlags> ParseNodeFlags(
+    const std::vector<std::string>& args);
 
 }  // namespace kvcache::service
 

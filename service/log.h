@@ -13,8 +13,8 @@
 namespace kvcache::service {
 
 inline void LogLine(const char* level, absl::string_view message) {
-  std::string line =
-      absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ ", absl::Now(), absl::UTCTimeZone());
+  std::string line = absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ ", absl::Now(),
+                                      absl::UTCTimeZone());
   line.append(level).append(" ").append(message.data(), message.size());
   line.push_back('\n');
   std::fwrite(line.data(), 1, line.size(), stderr);

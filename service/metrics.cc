@@ -76,8 +76,8 @@ class Metrics::StoreCollector : public prometheus::Collectable {
     gauge("kvcache_pinned_bytes", "Pool bytes pinned by reads and lookups.",
           s.pinned_bytes);
 
-    MetricFamily blocks = Family("kvcache_blocks", "Stored blocks by codec.",
-                                 MetricType::Gauge);
+    MetricFamily blocks =
+        Family("kvcache_blocks", "Stored blocks by codec.", MetricType::Gauge);
     MetricFamily tokens = Family("kvcache_stored_tokens",
                                  "Stored tokens by codec.", MetricType::Gauge);
     MetricFamily logical =
@@ -87,8 +87,7 @@ class Metrics::StoreCollector : public prometheus::Collectable {
     for (size_t c = 0; c < s.codecs.size(); ++c) {
       AddValue(&blocks, s.codecs[c].blocks, {{"codec", CodecLabel(c)}});
       AddValue(&tokens, s.codecs[c].tokens, {{"codec", CodecLabel(c)}});
-      AddValue(&logical, s.codecs[c].logical_bytes,
-               {{"codec", CodecLabel(c)}});
+      AddValue(&logical, s.codecs[c].logical_bytes, {{"codec", CodecLabel(c)}});
     }
     out.push_back(std::move(blocks));
     out.push_back(std::move(tokens));
@@ -107,9 +106,9 @@ class Metrics::StoreCollector : public prometheus::Collectable {
     }
     out.push_back(std::move(fit));
 
-    MetricFamily evictions = Family(
-        "kvcache_evictions_total", "Blocks removed, by reason.",
-        MetricType::Counter);
+    MetricFamily evictions =
+        Family("kvcache_evictions_total", "Blocks removed, by reason.",
+               MetricType::Counter);
     AddValue(&evictions, s.evictions_capacity, {{"reason", "capacity"}});
     AddValue(&evictions, s.evictions_data_loss, {{"reason", "data_loss"}});
     AddValue(&evictions, s.deleted, {{"reason", "deleted"}});
@@ -121,9 +120,9 @@ class Metrics::StoreCollector : public prometheus::Collectable {
                          MetricType::Counter));
     AddValue(&out.back(), s.data_loss_events);
 
-    MetricFamily lookups = Family("kvcache_lookup_blocks_total",
-                                  "Looked-up blocks by result.",
-                                  MetricType::Counter);
+    MetricFamily lookups =
+        Family("kvcache_lookup_blocks_total", "Looked-up blocks by result.",
+               MetricType::Counter);
     AddValue(&lookups, s.lookup_hits, {{"result", "hit"}});
     AddValue(&lookups, s.lookup_misses, {{"result", "miss"}});
     out.push_back(std::move(lookups));
@@ -140,8 +139,8 @@ class Metrics::StoreCollector : public prometheus::Collectable {
 
     gauge("kvcache_ready", "1 while serving, 0 while starting or draining.",
           ready_->load() ? 1 : 0);
-    out.push_back(Family("kvcache_build_info", "Build of this node.",
-                         MetricType::Gauge));
+    out.push_back(
+        Family("kvcache_build_info", "Build of this node.", MetricType::Gauge));
 #ifdef KVCACHE_HAVE_CUDA_BUILD
     const char* cuda = "true";
 #else
@@ -164,11 +163,10 @@ Metrics::Metrics(const store::Store* store)
                    .Name("kvcache_requests_total")
                    .Help("Control-plane requests by operation and gRPC code.")
                    .Register(*registry_);
-  request_duration_ =
-      &prometheus::BuildHistogram()
-           .Name("kvcache_request_duration_seconds")
-           .Help("Control-plane request latency by operation.")
-           .Register(*registry_);
+  request_duration_ = &prometheus::BuildHistogram()
+                           .Name("kvcache_request_duration_seconds")
+                           .Help("Control-plane request latency by operation.")
+                           .Register(*registry_);
   quantize_duration_ = &prometheus::BuildHistogram()
                             .Name("kvcache_quantize_duration_seconds")
                             .Help("Time to encode one block, by codec.")
@@ -176,8 +174,9 @@ Metrics::Metrics(const store::Store* store)
   transfer_bytes_ =
       &prometheus::BuildCounter()
            .Name("kvcache_transfer_bytes_total")
-           .Help("KV bytes moved by direction (in: writes, out: reads) and "
-                 "transport.")
+           .Help(
+               "KV bytes moved by direction (in: writes, out: reads) and "
+               "transport.")
            .Register(*registry_);
   // Series that exist before the first request, so dashboards and alerts
   // see zeros rather than gaps.
@@ -193,8 +192,7 @@ void Metrics::RecordRequest(absl::string_view op, absl::string_view code,
       0.025,  0.05,    0.1,    0.25,  0.5,    1,     2.5};
   requests_->Add({{"op", std::string(op)}, {"code", std::string(code)}})
       .Increment();
-  request_duration_->Add({{"op", std::string(op)}}, kBuckets)
-      .Observe(seconds);
+  request_duration_->Add({{"op", std::string(op)}}, kBuckets).Observe(seconds);
 }
 
 void Metrics::RecordQuantize(kernels::Codec codec, double seconds) {
@@ -230,8 +228,7 @@ absl::StatusOr<int> Metrics::Serve(const std::string& listen) {
 std::string Metrics::Render() const {
   std::vector<MetricFamily> families = registry_->Collect();
   std::vector<MetricFamily> store_families = store_collector_->Collect();
-  families.insert(families.end(), store_families.begin(),
-                  store_families.end());
+  families.insert(families.end(), store_families.begin(), store_families.end());
   return prometheus::TextSerializer().Serialize(families);
 }
 

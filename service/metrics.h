@@ -29,8 +29,8 @@ class Metrics {
   void RecordRequest(absl::string_view op, absl::string_view code,
                      double seconds);
   void RecordQuantize(kernels::Codec codec, double seconds);
-  void RecordTransfer(absl::string_view direction,
-                      absl::string_view transport, uint64_t bytes);
+  void RecordTransfer(absl::string_view direction, absl::string_view transport,
+                      uint64_t bytes);
   void SetReady(bool ready) { ready_->store(ready); }
 
   // Starts serving /metrics on host:port (port 0 picks one). Returns the

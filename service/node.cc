@@ -27,10 +27,10 @@ absl::Status Node::Start() {
   if (!store.ok()) return store.status();
   store_ = *std::move(store);
   metrics_ = std::make_unique<Metrics>(store_.get());
-  store_->SetQuantizeObserver([metrics = metrics_.get()](
-                                  kernels::Codec codec, double seconds) {
-    metrics->RecordQuantize(codec, seconds);
-  });
+  store_->SetQuantizeObserver(
+      [metrics = metrics_.get()](kernels::Codec codec, double seconds) {
+        metrics->RecordQuantize(codec, seconds);
+      });
   int threads = options_.worker_threads > 0
                     ? options_.worker_threads
                     : static_cast<int>(std::thread::hardware_concurrency());
@@ -77,22 +77,20 @@ absl::Status Node::Start() {
   }
   metrics_->SetReady(true);
   started_ = true;
-  LogInfo(absl::StrCat("kvcache-node serving gRPC on port ", port_,
-                       health_port_ ? absl::StrCat(", health on port ",
-                                                   health_port_)
-                                    : std::string(),
-                       metrics_port_ ? absl::StrCat(", metrics on port ",
-                                                    metrics_port_)
-                                     : std::string(),
-                       "; ", arena_description, ", page size ",
-                       options_.store.page_size, ", default codec ",
-                       kernels::CodecName(options_.store.default_codec)));
+  LogInfo(absl::StrCat(
+      "kvcache-node serving gRPC on port ", port_,
+      health_port_ ? absl::StrCat(", health on port ", health_port_)
+                   : std::string(),
+      metrics_port_ ? absl::StrCat(", metrics on port ", metrics_port_)
+                    : std::string(),
+      "; ", arena_description, ", page size ", options_.store.page_size,
+      ", default codec ", kernels::CodecName(options_.store.default_codec)));
   return absl::OkStatus();
 }
 
 void Node::ReaperLoop() {
-  while (!stop_reaper_.WaitForNotificationWithTimeout(
-      options_.reaper_interval)) {
+  while (
+      !stop_reaper_.WaitForNotificationWithTimeout(options_.reaper_interval)) {
     int expired = store_->ExpireLeases(absl::Now());
     if (expired > 0) {
       LogInfo(absl::StrCat("expired ", expired, " abandoned lease(s)"));

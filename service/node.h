@@ -32,7 +32,7 @@ class ThreadPool;
 
 struct NodeOptions {
   std::string listen = "0.0.0.0:50051";
-  std::string health_listen;  // empty: none
+  std::string health_listen;                    // empty: none
   std::string metrics_listen = "0.0.0.0:9464";  // empty: none
   store::MemorySpec memory{store::MemoryKind::kHost, 0, 1ull << 30};
   store::StoreOptions store;

@@ -70,8 +70,8 @@ absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {
         absl::StrCat("invalid byte size '", text, "' (e.g. 512MiB, 8GiB)"));
   }
   if (value > UINT64_MAX / multiplier) {
-    return absl::InvalidArgumentError(absl::StrCat("byte size '", text,
-                                                   "' overflows 64 bits"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("byte size '", text, "' overflows 64 bits"));
   }
   return value * multiplier;
 }

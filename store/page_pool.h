@@ -42,8 +42,10 @@ class PagePool {
   }
 
   // Copies `bytes` into/out of the page list, page by page.
-  void Scatter(absl::Span<const uint32_t> pages, absl::Span<const uint8_t> bytes);
-  void Gather(absl::Span<const uint32_t> pages, absl::Span<uint8_t> bytes) const;
+  void Scatter(absl::Span<const uint32_t> pages,
+               absl::Span<const uint8_t> bytes);
+  void Gather(absl::Span<const uint32_t> pages,
+              absl::Span<uint8_t> bytes) const;
 
  private:
   uint8_t* base_;

@@ -80,9 +80,8 @@ absl::Status ValidateKeys(absl::Span<const std::string> keys,
                           size_t max_blocks) {
   if (keys.empty()) return absl::InvalidArgumentError("no keys given");
   if (keys.size() > max_blocks) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(keys.size(), " keys in one request; the limit is ",
-                     max_blocks));
+    return absl::InvalidArgumentError(absl::StrCat(
+        keys.size(), " keys in one request; the limit is ", max_blocks));
   }
   for (size_t i = 0; i < keys.size(); ++i) {
     if (keys[i].empty()) {
@@ -98,13 +97,12 @@ absl::Status ValidateKeys(absl::Span<const std::string> keys,
 }
 
 uint64_t Fingerprint(const NamespaceConfig& c) {
-  std::string s = absl::StrCat(c.name, "|", c.model, "|", c.revision, "|",
-                               c.tp_rank, "|", c.shape.num_layers, "|",
-                               c.shape.num_kv_heads, "|", c.shape.head_dim,
-                               "|", c.shape.tokens_per_block, "|fp16|",
-                               static_cast<int>(c.policy.codec), "|",
-                               static_cast<int>(c.policy.scale_mode), "|",
-                               c.policy.kivi_group_size, "|");
+  std::string s = absl::StrCat(
+      c.name, "|", c.model, "|", c.revision, "|", c.tp_rank, "|",
+      c.shape.num_layers, "|", c.shape.num_kv_heads, "|", c.shape.head_dim, "|",
+      c.shape.tokens_per_block, "|fp16|", static_cast<int>(c.policy.codec), "|",
+      static_cast<int>(c.policy.scale_mode), "|", c.policy.kivi_group_size,
+      "|");
   for (uint32_t layer : c.policy.fp16_layers) absl::StrAppend(&s, layer, ",");
   s += "|";
   auto append_floats = [&s](const std::vector<float>& v) {
@@ -125,14 +123,14 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Create(
   if (arena == nullptr) return absl::InvalidArgumentError("no arena");
   if (options.page_size < 4096 || options.page_size > (64u << 20) ||
       (options.page_size & (options.page_size - 1)) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "page size ", options.page_size,
-        " must be a power of two between 4 KiB and 64 MiB"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("page size ", options.page_size,
+                     " must be a power of two between 4 KiB and 64 MiB"));
   }
   if (arena->size() < 2ull * options.page_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "memory of ", arena->size(), " bytes holds no page of ",
-        options.page_size, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory of ", arena->size(), " bytes holds no page of ",
+                     options.page_size, " bytes"));
   }
   return std::unique_ptr<Store>(
       new Store(options, std::move(arena)));  // private constructor
@@ -166,8 +164,7 @@ void Store::SetQuantizeObserver(QuantizeObserver observer) {
   quantize_observer_ = std::move(observer);
 }
 
-absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(
-    NamespaceConfig config) {
+absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config) {
   if (absl::Status s = ValidateName(config.name); !s.ok()) return s;
   if (!config.codec_specified) config.policy.codec = options_.default_codec;
   if (absl::Status s = kernels::ValidatePolicy(config.shape, config.policy);
@@ -181,7 +178,7 @@ absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(
       kernels::EncodedBlockBytes(config.shape, config.policy);
   info.config = std::move(config);
 
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (const auto& ns : namespaces_) {
     if (ns->info.config.name != info.config.name) continue;
     if (ns->info.fingerprint != info.fingerprint) {
@@ -194,18 +191,18 @@ absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(
     return existing;
   }
   if (namespaces_.size() >= options_.max_namespaces) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the node holds its limit of ", options_.max_namespaces,
-        " namespaces"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the node holds its limit of ", options_.max_namespaces,
+                     " namespaces"));
   }
   auto ns = std::make_unique<Namespace>();
   ns->id = static_cast<uint32_t>(namespaces_.size());
   ns->info = info;
   ns->pages_per_block = pool_.PagesFor(StoredBytesFor(*ns));
   if (ns->pages_per_block > pool_.num_pages()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "one block of this layout (", StoredBytesFor(*ns),
-        " bytes) is larger than the whole pool"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("one block of this layout (", StoredBytesFor(*ns),
+                     " bytes) is larger than the whole pool"));
   }
   namespaces_.push_back(std::move(ns));
   return info;
@@ -217,7 +214,7 @@ uint64_t Store::StoredBytesFor(const Namespace& ns) const {
 
 absl::StatusOr<NamespaceInfo> Store::GetNamespace(
     const std::string& name) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   absl::StatusOr<Namespace*> ns = FindNamespace(name);
   if (!ns.ok()) return ns.status();
   return (*ns)->info;
@@ -342,7 +339,7 @@ absl::StatusOr<LookupResult> Store::Lookup(const std::string& ns_name,
       !s.ok()) {
     return s;
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   absl::StatusOr<Namespace*> ns = FindNamespace(ns_name);
   if (!ns.ok()) return ns.status();
   LookupResult result;
@@ -370,9 +367,9 @@ absl::StatusOr<LookupResult> Store::Lookup(const std::string& ns_name,
   return result;
 }
 
-absl::StatusOr<BeginWriteResult> Store::BeginWrite(
-    const std::string& ns_name, std::vector<BlockRef> blocks,
-    absl::Duration ttl) {
+absl::StatusOr<BeginWriteResult> Store::BeginWrite(const std::string& ns_name,
+                                                   std::vector<BlockRef> blocks,
+                                                   absl::Duration ttl) {
   std::vector<std::string> keys;
   keys.reserve(blocks.size());
   for (const BlockRef& b : blocks) keys.push_back(b.key);
@@ -387,16 +384,16 @@ absl::StatusOr<BeginWriteResult> Store::BeginWrite(
           absl::StrCat("key ", i, " appears twice in one write"));
     }
     if (blocks[i].parent_key.size() > kMaxKeyBytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("parent key of block ", i, " is longer than ",
-                       kMaxKeyBytes, " bytes"));
+      return absl::InvalidArgumentError(absl::StrCat("parent key of block ", i,
+                                                     " is longer than ",
+                                                     kMaxKeyBytes, " bytes"));
     }
     if (blocks[i].parent_key.empty() && i > 0) {
       blocks[i].parent_key = blocks[i - 1].key;
     }
   }
 
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   absl::StatusOr<Namespace*> ns = FindNamespace(ns_name);
   if (!ns.ok()) return ns.status();
   auto lease = std::make_unique<WriteLease>();
@@ -469,7 +466,7 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
   WriteLease* lease = nullptr;
   Namespace* ns = nullptr;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = write_leases_.find(write_id);
     if (it == write_leases_.end()) {
       return absl::FailedPreconditionError(
@@ -487,16 +484,16 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
   // being committed are never expired and namespaces are never removed.
   const NamespaceInfo& info = ns->info;
   auto fail = [&](absl::Status status) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     ReleaseWriteLease(write_id);
     return status;
   };
   std::vector<const Payload*> by_block(lease->blocks.size(), nullptr);
   for (const Payload& p : payloads) {
     if (p.index >= lease->blocks.size()) {
-      return fail(absl::InvalidArgumentError(absl::StrCat(
-          "payload index ", p.index, " is outside the write's ",
-          lease->blocks.size(), " blocks")));
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("payload index ", p.index, " is outside the write's ",
+                       lease->blocks.size(), " blocks")));
     }
     if (lease->present[p.index]) continue;  // stored already: not needed
     if (by_block[p.index] != nullptr) {
@@ -504,16 +501,18 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
           absl::StrCat("two payloads for block ", p.index)));
     }
     if (p.fp16.size() != info.fp16_block_bytes) {
-      return fail(absl::InvalidArgumentError(absl::StrCat(
-          "block ", p.index, " has ", p.fp16.size(), " bytes; this layout's "
-          "fp16 block is ", info.fp16_block_bytes, " bytes")));
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("block ", p.index, " has ", p.fp16.size(),
+                       " bytes; this layout's "
+                       "fp16 block is ",
+                       info.fp16_block_bytes, " bytes")));
     }
     by_block[p.index] = &p;
   }
   for (size_t i = 0; i < by_block.size(); ++i) {
     if (!lease->present[i] && by_block[i] == nullptr) {
-      return fail(absl::InvalidArgumentError(
-          absl::StrCat("no payload for block ", i)));
+      return fail(
+          absl::InvalidArgumentError(absl::StrCat("no payload for block ", i)));
     }
   }
 
@@ -552,7 +551,7 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
   }
 
   CommitResult result;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (size_t i = 0; i < lease->blocks.size(); ++i) {
     if (lease->present[i]) {
       ++result.skipped;
@@ -601,7 +600,7 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
 }
 
 absl::Status Store::AbortWrite(uint64_t write_id) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = write_leases_.find(write_id);
   if (it == write_leases_.end()) {
     return absl::NotFoundError("write lease is unknown or has expired");
@@ -626,7 +625,7 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
   std::vector<Entry*> entries;
   ReadResult result;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     absl::StatusOr<Namespace*> ns = FindNamespace(ns_name);
     if (!ns.ok()) return ns.status();
     if (pin_lease_id != 0 && !read_leases_.contains(pin_lease_id)) {
@@ -636,8 +635,7 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
     for (size_t i = 0; i < keys.size(); ++i) {
       Entry* entry = FindEntry((*ns)->id, keys[i]);
       if (entry == nullptr) {
-        return absl::NotFoundError(
-            absl::StrCat("block ", i, " is not stored"));
+        return absl::NotFoundError(absl::StrCat("block ", i, " is not stored"));
       }
       entries.push_back(entry);
     }
@@ -666,9 +664,8 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
                          entry->key, payload);
     if (!status.ok()) {
       failed = i;
-      status = absl::DataLossError(
-          absl::StrCat("block ", i, ": ", status.message(),
-                       "; the block was dropped"));
+      status = absl::DataLossError(absl::StrCat(
+          "block ", i, ": ", status.message(), "; the block was dropped"));
       break;
     }
     ReadBlock block;
@@ -688,7 +685,7 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
     result.blocks.push_back(std::move(block));
   }
 
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (status.code() == absl::StatusCode::kDataLoss) {
     ++counters_.data_loss_events;
     if (!entries[failed]->removed) {
@@ -710,7 +707,7 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
 }
 
 absl::Status Store::EndLease(uint64_t lease_id) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (!read_leases_.contains(lease_id)) {
     return absl::NotFoundError("read lease is unknown or has expired");
   }
@@ -724,7 +721,7 @@ absl::StatusOr<uint32_t> Store::Delete(const std::string& ns_name,
       !s.ok()) {
     return s;
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   absl::StatusOr<Namespace*> ns = FindNamespace(ns_name);
   if (!ns.ok()) return ns.status();
   uint32_t deleted = 0;
@@ -739,7 +736,7 @@ absl::StatusOr<uint32_t> Store::Delete(const std::string& ns_name,
 }
 
 int Store::ExpireLeases(absl::Time now) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<uint64_t> reads, writes;
   for (const auto& [id, lease] : read_leases_) {
     if (lease->deadline < now) reads.push_back(id);
@@ -755,7 +752,7 @@ int Store::ExpireLeases(absl::Time now) {
 }
 
 StoreStats Store::Stats() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   StoreStats s = counters_;
   const uint64_t page = pool_.page_size();
   s.page_size = pool_.page_size();
@@ -794,7 +791,7 @@ StoreStats Store::Stats() const {
 
 absl::Status Store::CorruptBlockForTest(const std::string& ns_name,
                                         const std::string& key, bool header) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   absl::StatusOr<Namespace*> ns = FindNamespace(ns_name);
   if (!ns.ok()) return ns.status();
   Entry* entry = FindEntry((*ns)->id, key);

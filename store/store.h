@@ -36,12 +36,12 @@
 #include "absl/random/random.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/codec.h"
 #include "store/arena.h"
 #include "store/block_header.h"
+#include "store/mutex.h"
 #include "store/page_pool.h"
 
 namespace kvcache::store {
@@ -212,8 +212,7 @@ class Store {
   // header) in place, to show that reads detect corruption. NOT_FOUND when
   // the block is absent.
   absl::Status CorruptBlockForTest(const std::string& ns,
-                                   const std::string& key,
-                                   bool header = false);
+                                   const std::string& key, bool header = false);
 
  private:
   struct Namespace;
@@ -251,7 +250,7 @@ class Store {
   BlockHeader* header_slab_;
   QuantizeObserver quantize_observer_;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   PagePool pool_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Namespace>> namespaces_ ABSL_GUARDED_BY(mu_);
   // Key: 4-byte namespace id followed by the block key.

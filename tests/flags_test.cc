@@ -25,9 +25,9 @@ TEST(FlagsTest, ParsesEveryFlag) {
 }
 
 TEST(FlagsTest, RejectsBadInputNamingTheFlag) {
-  for (const char* bad : {"--memory=host:lots", "--default-codec=int3",
-                          "--bogus=1", "listen", "--listen",
-                          "--drain-timeout=-1", "--page-size=huge"}) {
+  for (const char* bad :
+       {"--memory=host:lots", "--default-codec=int3", "--bogus=1", "listen",
+        "--listen", "--drain-timeout=-1", "--page-size=huge"}) {
     auto f = ParseNodeFlags({bad});
     EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }

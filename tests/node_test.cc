@@ -1,17 +1,18 @@
 // Integration tests: a node on loopback (port 0) driven through the client
 // library and, for malformed messages the client cannot produce, the raw
 // gRPC stub.
+#include "service/node.h"
+
 #include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "kvcache/testing/reflection_list.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvcache/client.h"
+#include "kvcache/testing/reflection_list.pb.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
-#include "service/node.h"
 #include "tests/http_get.h"
 #include "tests/test_util.h"
 
@@ -46,8 +47,8 @@ class NodeTest : public ::testing::Test {
     auto client = Client::Connect(copts);
     ASSERT_TRUE(client.ok());
     client_ = *std::move(client);
-    channel_ = grpc::CreateChannel(copts.target,
-                                   grpc::InsecureChannelCredentials());
+    channel_ =
+        grpc::CreateChannel(copts.target, grpc::InsecureChannelCredentials());
     stub_ = v1::KvCache::NewStub(channel_);
   }
 
@@ -132,7 +133,8 @@ TEST_F(NodeTest, PutLookupGetAcrossCodecsAndFormats) {
     ASSERT_TRUE(fp16.ok() && raw.ok());
     for (int i = 0; i < 5; ++i) {
       std::vector<uint16_t> decoded(data_[i].size());
-      ASSERT_TRUE(DecodeRaw(*raw, raw->blocks[i], absl::MakeSpan(decoded)).ok());
+      ASSERT_TRUE(
+          DecodeRaw(*raw, raw->blocks[i], absl::MakeSpan(decoded)).ok());
       ASSERT_EQ(fp16->blocks[i].bytes.size(), decoded.size() * 2);
       EXPECT_EQ(std::memcmp(fp16->blocks[i].bytes.data(), decoded.data(),
                             decoded.size() * 2),
@@ -146,8 +148,7 @@ TEST_F(NodeTest, PutLookupGetAcrossCodecsAndFormats) {
   auto stats = client_->Stats();
   ASSERT_TRUE(stats.ok());
   for (Codec codec : kernels::kAllCodecs) {
-    EXPECT_EQ(stats->codecs[std::string(kernels::CodecName(codec))].blocks,
-              5u);
+    EXPECT_EQ(stats->codecs[std::string(kernels::CodecName(codec))].blocks, 5u);
   }
   EXPECT_EQ(stats->namespaces.size(), 5u);
 }
@@ -159,9 +160,8 @@ TEST_F(NodeTest, LookupPinIsTakenOverByGet) {
   ASSERT_TRUE(pin.ok());
   ASSERT_NE(pin->pin_lease, 0u);
   EXPECT_GT(node_->store()->Stats().pinned_bytes, 0u);
-  ASSERT_TRUE(client_->Get("ns", Keys(0, 3), ReadFormat::kFp16,
-                           pin->pin_lease)
-                  .ok());
+  ASSERT_TRUE(
+      client_->Get("ns", Keys(0, 3), ReadFormat::kFp16, pin->pin_lease).ok());
   EXPECT_EQ(node_->store()->Stats().pinned_bytes, 0u);
   EXPECT_EQ(client_->Release(pin->pin_lease).code(),
             absl::StatusCode::kNotFound);
@@ -221,10 +221,9 @@ TEST_F(NodeTest, BadInputGetsExactCodesAndLosesNothing) {
             }).error_code(),
             grpc::StatusCode::RESOURCE_EXHAUSTED);
   // Too many keys in one request.
-  EXPECT_EQ(client_->Lookup("ns", std::vector<std::string>(65, "k"))
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      client_->Lookup("ns", std::vector<std::string>(65, "k")).status().code(),
+      absl::StatusCode::kInvalidArgument);
   // Empty and oversized keys.
   EXPECT_EQ(client_->Lookup("ns", {""}).status().code(),
             absl::StatusCode::kInvalidArgument);
@@ -290,8 +289,8 @@ TEST_F(NodeTest, HealthAndReflectionAreServed) {
   grpc::internal::RpcMethod method(
       "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
       grpc::internal::RpcMethod::BIDI_STREAMING, channel_);
-  std::unique_ptr<
-      grpc::ClientReaderWriter<ServerReflectionRequest, ServerReflectionResponse>>
+  std::unique_ptr<grpc::ClientReaderWriter<ServerReflectionRequest,
+                                           ServerReflectionResponse>>
       stream(grpc::internal::ClientReaderWriterFactory<
              ServerReflectionRequest,
              ServerReflectionResponse>::Create(channel_.get(), method, &ctx));

@@ -79,9 +79,9 @@ TEST(StoreTest, RoundTripIsExactForCodecNone) {
   for (int i = 0; i < 3; ++i) {
     std::vector<uint16_t> want = RandomBlock(SmallShape(), i);
     ASSERT_EQ(read->blocks[i].data.size(), want.size() * 2);
-    EXPECT_EQ(std::memcmp(read->blocks[i].data.data(), want.data(),
-                          want.size() * 2),
-              0)
+    EXPECT_EQ(
+        std::memcmp(read->blocks[i].data.data(), want.data(), want.size() * 2),
+        0)
         << "block " << i;
   }
 }
@@ -97,16 +97,16 @@ TEST(StoreTest, RawReadMatchesTheCodecAndDecodesToTheFp16Read) {
   ASSERT_TRUE(raw.ok() && fp16.ok());
   kernels::CodecPolicy policy;
   policy.codec = Codec::kFp8E4M3;
-  std::vector<uint8_t> expected(kernels::EncodedBlockBytes(SmallShape(),
-                                                           policy));
+  std::vector<uint8_t> expected(
+      kernels::EncodedBlockBytes(SmallShape(), policy));
   std::vector<uint16_t> input = RandomBlock(SmallShape(), 0);
-  ASSERT_TRUE(
-      kernels::EncodeBlockReference(SmallShape(), policy, input, absl::MakeSpan(expected))
-          .ok());
+  ASSERT_TRUE(kernels::EncodeBlockReference(SmallShape(), policy, input,
+                                            absl::MakeSpan(expected))
+                  .ok());
   ASSERT_EQ(raw->blocks[0].data.size(), expected.size());
-  EXPECT_EQ(std::memcmp(raw->blocks[0].data.data(), expected.data(),
-                        expected.size()),
-            0);
+  EXPECT_EQ(
+      std::memcmp(raw->blocks[0].data.data(), expected.data(), expected.size()),
+      0);
   std::vector<uint16_t> decoded(input.size());
   ASSERT_TRUE(kernels::DecodeBlockReference(SmallShape(), policy, expected,
                                             absl::MakeSpan(decoded))
@@ -134,15 +134,14 @@ TEST(StoreTest, DuplicateWritesCostNoTransfer) {
   auto store = MakeStore(1 << 20);
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
   ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 2).ok());
-  auto begin = store->BeginWrite("ns", {{Key(0), ""}, {Key(1), ""},
-                                        {Key(2), ""}},
-                                 absl::Seconds(10));
+  auto begin = store->BeginWrite(
+      "ns", {{Key(0), ""}, {Key(1), ""}, {Key(2), ""}}, absl::Seconds(10));
   ASSERT_TRUE(begin.ok());
   EXPECT_EQ(begin->present, (std::vector<bool>{true, true, false}));
   std::vector<uint16_t> d = RandomBlock(SmallShape(), 2);
-  Store::Payload p{2, absl::MakeConstSpan(
-                          reinterpret_cast<const uint8_t*>(d.data()),
-                          d.size() * 2)};
+  Store::Payload p{
+      2, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(d.data()),
+                             d.size() * 2)};
   auto commit = store->CommitWrite(begin->write_id, {p});
   ASSERT_TRUE(commit.ok()) << commit.status();
   EXPECT_EQ(commit->stored, 1u);
@@ -164,16 +163,17 @@ TEST(StoreTest, AccountingMatchesTheBytesHeld) {
     size_t bytes = kernels::EncodedBlockBytes(SmallShape(), p);
     return (bytes + kPage - 1) / kPage;
   };
-  uint64_t expected_used = (4 * pages(Codec::kNone) +
-                            3 * pages(Codec::kFp8E4M3) +
-                            2 * pages(Codec::kKivi2)) *
-                           kPage;
+  uint64_t expected_used =
+      (4 * pages(Codec::kNone) + 3 * pages(Codec::kFp8E4M3) +
+       2 * pages(Codec::kKivi2)) *
+      kPage;
   EXPECT_EQ(s.used_bytes, expected_used);
   EXPECT_EQ(s.codecs[0].blocks, 4u);
   EXPECT_EQ(s.codecs[1].blocks, 3u);
   EXPECT_EQ(s.codecs[3].blocks, 2u);
   EXPECT_EQ(s.codecs[3].tokens, 2u * SmallShape().tokens_per_block);
-  EXPECT_EQ(s.codecs[1].logical_bytes, 3 * kernels::Fp16BlockBytes(SmallShape()));
+  EXPECT_EQ(s.codecs[1].logical_bytes,
+            3 * kernels::Fp16BlockBytes(SmallShape()));
   uint64_t free_pages = (s.capacity_bytes - s.used_bytes) / kPage;
   ASSERT_EQ(s.namespaces.size(), 3u);
   for (Codec c : kernels::kAllCodecs) {
@@ -234,8 +234,7 @@ TEST(StoreTest, RandomChainsNeverEvictAParentBeforeItsChildren) {
           store->Lookup("ns", Keys(first, n), false, absl::ZeroDuration());
       ASSERT_TRUE(found.ok());
       for (int i = first; i < first + n; ++i) {
-        bool cached = store->Lookup("ns", {Key(i)}, false,
-                                    absl::ZeroDuration())
+        bool cached = store->Lookup("ns", {Key(i)}, false, absl::ZeroDuration())
                           ->prefix_blocks == 1;
         if (cached) {
           EXPECT_GT(found->prefix_blocks, static_cast<uint32_t>(i - first))
@@ -261,14 +260,13 @@ TEST(StoreTest, PinnedBlocksAreNotEvictedAndFullPoolIsResourceExhausted) {
   EXPECT_EQ(store->Stats().pinned_bytes, 8u * kPage);
   ASSERT_TRUE(store->EndLease(pin->lease_id).ok());
   EXPECT_TRUE(WriteChain(store.get(), "ns", 2, 1).ok());
-  EXPECT_EQ(store->Lookup("ns", {Key(0)}, false, absl::ZeroDuration())
-                ->prefix_blocks,
-            0u);
-  EXPECT_EQ(store->Lookup("ns", {Key(1)}, false, absl::ZeroDuration())
-                ->prefix_blocks,
-            1u);
-  EXPECT_EQ(store->EndLease(pin->lease_id).code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(
+      store->Lookup("ns", {Key(0)}, false, absl::ZeroDuration())->prefix_blocks,
+      0u);
+  EXPECT_EQ(
+      store->Lookup("ns", {Key(1)}, false, absl::ZeroDuration())->prefix_blocks,
+      1u);
+  EXPECT_EQ(store->EndLease(pin->lease_id).code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE(store->EndLease(pin2->lease_id).ok());
 }
 
@@ -334,9 +332,9 @@ TEST(StoreTest, FailedCommitStoresNothingAndKeepsEarlierData) {
   auto commit =
       store->CommitWrite(begin->write_id, {{0, bytes(good)}, {1, bytes(bad)}});
   EXPECT_EQ(commit.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(store->Lookup("ns", {Key(1)}, false, absl::ZeroDuration())
-                ->prefix_blocks,
-            0u);
+  EXPECT_EQ(
+      store->Lookup("ns", {Key(1)}, false, absl::ZeroDuration())->prefix_blocks,
+      0u);
   StoreStats s = store->Stats();
   EXPECT_EQ(s.reserved_bytes, 0u);
   EXPECT_EQ(s.codecs[1].blocks, 1u);
@@ -374,20 +372,19 @@ TEST(StoreTest, RegistrationRules) {
 TEST(StoreTest, BadKeysAreInvalidArgument) {
   auto store = MakeStore(1 << 20);
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
-  EXPECT_EQ(store->Lookup("ns", {""}, false, absl::ZeroDuration())
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(store->Lookup("ns", {std::string(65, 'k')}, false,
-                          absl::ZeroDuration())
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(store->BeginWrite("ns", {{Key(1), ""}, {Key(1), ""}},
-                              absl::Seconds(1))
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      store->Lookup("ns", {""}, false, absl::ZeroDuration()).status().code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      store->Lookup("ns", {std::string(65, 'k')}, false, absl::ZeroDuration())
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      store->BeginWrite("ns", {{Key(1), ""}, {Key(1), ""}}, absl::Seconds(1))
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(store->Lookup("missing", {Key(0)}, false, absl::ZeroDuration())
                 .status()
                 .code(),

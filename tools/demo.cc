@@ -239,39 +239,42 @@ int main(int argc, char** argv) {
   auto stats = (*client)->Stats();
   if (!stats.ok()) return Fail("stats", stats.status());
   const double mib = 1024.0 * 1024.0;
-  std::printf("\n== kvcache demo: %d conversations x %d turns over %d shared "
-              "system prompts ==\n",
-              args.conversations, args.turns, kSystemPrompts);
-  std::printf("layout: %u layers, %u kv heads, head_dim %u, %u tokens/block "
-              "(%.1f MiB fp16 per block)\n",
-              shape.num_layers, shape.num_kv_heads, shape.head_dim,
-              shape.tokens_per_block,
-              kvcache::kernels::Fp16BlockBytes(shape) / mib);
-  std::printf("node: %.0f MiB pool, %.0f MiB used (%.1f%%), %llu evictions, "
-              "%.2f MiB fragmentation\n\n",
-              stats->capacity_bytes / mib, stats->used_bytes / mib,
-              100.0 * stats->used_bytes / stats->capacity_bytes,
-              static_cast<unsigned long long>(stats->evictions),
-              stats->fragmentation_bytes / mib);
-  std::printf("%-10s %8s %9s %10s %11s %13s %9s %10s %10s\n", "codec",
-              "blocks", "tokens", "pool MiB", "fp16 MiB", "compression",
-              "hit rate", "rel RMSE", "max |err|");
+  std::printf(
+      "\n== kvcache demo: %d conversations x %d turns over %d shared "
+      "system prompts ==\n",
+      args.conversations, args.turns, kSystemPrompts);
+  std::printf(
+      "layout: %u layers, %u kv heads, head_dim %u, %u tokens/block "
+      "(%.1f MiB fp16 per block)\n",
+      shape.num_layers, shape.num_kv_heads, shape.head_dim,
+      shape.tokens_per_block, kvcache::kernels::Fp16BlockBytes(shape) / mib);
+  std::printf(
+      "node: %.0f MiB pool, %.0f MiB used (%.1f%%), %llu evictions, "
+      "%.2f MiB fragmentation\n\n",
+      stats->capacity_bytes / mib, stats->used_bytes / mib,
+      100.0 * stats->used_bytes / stats->capacity_bytes,
+      static_cast<unsigned long long>(stats->evictions),
+      stats->fragmentation_bytes / mib);
+  std::printf("%-10s %8s %9s %10s %11s %13s %9s %10s %10s\n", "codec", "blocks",
+              "tokens", "pool MiB", "fp16 MiB", "compression", "hit rate",
+              "rel RMSE", "max |err|");
   for (const CodecRun& run : runs) {
     std::string name(kvcache::kernels::CodecName(run.codec));
     const kvcache::CodecUsage& u = stats->codecs[name];
-    std::printf("%-10s %8llu %9llu %10.1f %11.1f %12.2fx %8.1f%% %9.3f%% "
-                "%10.4f\n",
-                name.c_str(), static_cast<unsigned long long>(u.blocks),
-                static_cast<unsigned long long>(u.tokens),
-                u.stored_bytes / mib, u.logical_bytes / mib,
-                u.stored_bytes ? double(u.logical_bytes) / u.stored_bytes : 0,
-                run.lookups ? 100.0 * run.hits / run.lookups : 0.0,
-                run.ref_sq > 0 ? 100.0 * std::sqrt(run.err_sq / run.ref_sq)
-                               : 0.0,
-                run.max_abs);
+    std::printf(
+        "%-10s %8llu %9llu %10.1f %11.1f %12.2fx %8.1f%% %9.3f%% "
+        "%10.4f\n",
+        name.c_str(), static_cast<unsigned long long>(u.blocks),
+        static_cast<unsigned long long>(u.tokens), u.stored_bytes / mib,
+        u.logical_bytes / mib,
+        u.stored_bytes ? double(u.logical_bytes) / u.stored_bytes : 0,
+        run.lookups ? 100.0 * run.hits / run.lookups : 0.0,
+        run.ref_sq > 0 ? 100.0 * std::sqrt(run.err_sq / run.ref_sq) : 0.0,
+        run.max_abs);
   }
-  std::printf("\ntokens that still fit in the free pool, by codec (layout "
-              "above):\n");
+  std::printf(
+      "\ntokens that still fit in the free pool, by codec (layout "
+      "above):\n");
   const kvcache::NamespaceUsage& any = stats->namespaces.begin()->second;
   for (const auto& [codec, tokens] : any.tokens_that_fit) {
     std::printf("  %-10s %10llu tokens\n", codec.c_str(),
@@ -282,16 +285,18 @@ int main(int argc, char** argv) {
     return it == any.tokens_that_fit.end() ? 0.0 : double(it->second);
   };
   if (fit("none") > 0) {
-    std::printf("  quantization buys: fp8_e4m3 %.2fx, kivi4 %.2fx, kivi2 "
-                "%.2fx the tokens of fp16\n",
-                fit("fp8_e4m3") / fit("none"), fit("kivi4") / fit("none"),
-                fit("kivi2") / fit("none"));
+    std::printf(
+        "  quantization buys: fp8_e4m3 %.2fx, kivi4 %.2fx, kivi2 "
+        "%.2fx the tokens of fp16\n",
+        fit("fp8_e4m3") / fit("none"), fit("kivi4") / fit("none"),
+        fit("kivi2") / fit("none"));
   }
-  std::printf("\nprefix lookups: %llu blocks hit, %llu missed over %llu "
-              "turns per codec\n",
-              static_cast<unsigned long long>(stats->lookup_hits),
-              static_cast<unsigned long long>(stats->lookup_misses),
-              static_cast<unsigned long long>(total_turns));
+  std::printf(
+      "\nprefix lookups: %llu blocks hit, %llu missed over %llu "
+      "turns per codec\n",
+      static_cast<unsigned long long>(stats->lookup_hits),
+      static_cast<unsigned long long>(stats->lookup_misses),
+      static_cast<unsigned long long>(total_turns));
   std::printf("metrics: http://%s/metrics\n", args.metrics.c_str());
   return 0;
 }

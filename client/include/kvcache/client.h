@@ -115,7 +115,7 @@ struct NodeStats {
   uint64_t reserved_bytes = 0;
   uint64_t pinned_bytes = 0;
   uint64_t fragmentation_bytes = 0;
-  std::map<std::string, CodecUsage> codecs;         // by codec name
+  std::map<std::string, CodecUsage> codecs;          // by codec name
   std::map<std::string, NamespaceUsage> namespaces;  // by namespace name
   uint64_t evictions = 0;
   uint64_t data_loss_events = 0;

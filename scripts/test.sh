@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole test suite from a fresh Debian 12 machine: installs what is
+# missing, builds, runs every ctest test (unit, integration, process and
+# metrics tests), the store stress test under ThreadSanitizer, and the
+# offline deployment checks. Exits non-zero on any failure.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+start=$(date +%s)
+
+"$root/scripts/install-deps.sh"
+
+echo "== build"
+"$root/scripts/build.sh"
+
+echo "== ctest"
+(cd "$root/build" && ctest --output-on-failure -j "$(nproc)" --timeout 600)
+
+echo "== ThreadSanitizer: store stress test"
+cmake -S "$root" -B "$root/build-tsan" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DKVCACHE_TSAN=ON -DKVCACHE_CUDA=OFF -DKVCACHE_BUILD_BENCH=OFF >/dev/null
+cmake --build "$root/build-tsan" -j "$(nproc)" --target store_test
+TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+  "$root/build-tsan/tests/store_test" --gtest_brief=1
+
+if [[ -x "$root/scripts/deploy-check.sh" ]]; then
+  echo "== deployment checks"
+  "$root/scripts/deploy-check.sh" "$root/build"
+fi
+
+echo "== all tests passed in $(( $(date +%s) - start )) s"
