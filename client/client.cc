@@ -61,8 +61,16 @@ absl::Status DecodeRaw(const GetResult& result, const BlockData& block,
   if (block.format != ReadFormat::kRaw) {
     return absl::InvalidArgumentError("block was not read in raw format");
   }
+  CodecPolicy policy = result.policy;
+  if (block.codec != policy.codec) {
+    if (block.codec != Codec::kNone) {
+      return absl::InvalidArgumentError(
+          "block codec differs from its namespace's and is not fp16");
+    }
+    policy = CodecPolicy{};  // in the residual window: stored as fp16
+  }
   return kernels::DecodeBlock(
-      result.shape, result.policy,
+      result.shape, policy,
       absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(block.bytes.data()),
                           block.bytes.size()),
       fp16_out);
@@ -125,6 +133,9 @@ absl::StatusOr<NamespaceInfo> Client::RegisterNamespace(
     for (float v : p.static_k_scales) out->add_static_k_scales(v);
     for (float v : p.static_v_scales) out->add_static_v_scales(v);
     out->set_kivi_group_size(p.kivi_group_size);
+    if (spec.residual_tokens.has_value()) {
+      out->set_residual_tokens(*spec.residual_tokens);
+    }
   }
   v1::RegisterNamespaceResponse response;
   grpc::ClientContext ctx;

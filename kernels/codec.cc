@@ -22,7 +22,8 @@ using EncodeSectionFn = void (*)(const Section&, const uint16_t*, uint8_t*);
 using DecodeSectionFn = void (*)(const Section&, const uint8_t*, uint16_t*);
 using FindNonFiniteFn = size_t (*)(const uint16_t*, size_t);
 
-// Limits that keep every index computation far from overflow.
+// Limits that keep every index computation far from overflow: indices within
+// a section fit in 32 bits (the CUDA kernels rely on it).
 constexpr uint64_t kMaxSectionElements = uint64_t{1} << 32;
 constexpr uint64_t kMaxBlockBytes = uint64_t{1} << 44;
 
@@ -190,7 +191,7 @@ absl::Status ValidatePolicy(const BlockShape& shape,
         " head_dim=", D, " tokens_per_block=", T));
   }
   // T*H*D < 2^96 here, but check step by step to stay within 64 bits.
-  if (T * H > kMaxSectionElements || T * H * D > kMaxSectionElements ||
+  if (T * H >= kMaxSectionElements || T * H * D >= kMaxSectionElements ||
       L * 4 * T * H * D > kMaxBlockBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "block shape too large: num_layers=", L, " num_kv_heads=", H,

@@ -5,13 +5,14 @@
 // -ffp-contract=off and uses no MulAdd), fp32 -> fp16 and fp32 -> fp8 rounding
 // to nearest even done with integer operations (or F16C, which rounds the
 // same way), and the same order of operations.
+#include "kernels/codec_simd.h"
+
 #include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "kernels/codec_internal.h"
-#include "kernels/codec_simd.h"
 #include "kernels/fp8.h"
 #include "kernels/half.h"
 
@@ -52,7 +53,8 @@ HWY_INLINE hn::Vec<DF> HalfToF32(DF df, hn::Vec<hn::Rebind<uint16_t, DF>> h) {
   // Normal and subnormal: the bits shifted into place read as a float that
   // is 2^-112 times the value (a float subnormal for a half subnormal).
   const auto finite = hn::Mul(hn::BitCast(df, shifted), hn::Set(df, 0x1p112f));
-  const auto special = hn::BitCast(df, hn::Or(shifted, hn::Set(du, 0x7F800000u)));
+  const auto special =
+      hn::BitCast(df, hn::Or(shifted, hn::Set(du, 0x7F800000u)));
   const auto is_special =
       hn::RebindMask(df, hn::Gt(hn::BitCast(di, em), hn::Set(di, 0x7BFF)));
   return hn::Or(hn::IfThenElse(is_special, special, finite),
@@ -75,21 +77,22 @@ HWY_INLINE hn::Vec<hn::Rebind<uint16_t, DF>> F32ToHalf(DF df, hn::Vec<DF> v) {
   // Normal: round the 13 dropped bits to nearest even; a carry into the
   // exponent is the right answer.
   const auto odd = hn::And(hn::ShiftRight<13>(ax), hn::Set(du, 1u));
-  const auto normal =
-      hn::Sub(hn::ShiftRight<13>(hn::Add(hn::Add(ax, hn::Set(du, 0x0FFFu)), odd)),
-              hn::Set(du, 112u << 10));
+  const auto normal = hn::Sub(
+      hn::ShiftRight<13>(hn::Add(hn::Add(ax, hn::Set(du, 0x0FFFu)), odd)),
+      hn::Set(du, 112u << 10));
   // Subnormal: adding 0.5 makes the fp32 unit in the last place 2^-24, so
   // the fp32 addition rounds |v| to a multiple of 2^-24, to nearest even.
-  const auto sub = hn::Sub(
-      hn::BitCast(du, hn::Add(hn::BitCast(df, ax), hn::Set(df, 0.5f))),
-      hn::Set(du, 0x3F000000u));
+  const auto sub =
+      hn::Sub(hn::BitCast(du, hn::Add(hn::BitCast(df, ax), hn::Set(df, 0.5f))),
+              hn::Set(du, 0x3F000000u));
   auto r = hn::IfThenElse(
-      hn::RebindMask(du, hn::Gt(axi, hn::Set(di, 0x38800000 - 1))), normal, sub);
-  r = hn::IfThenElse(hn::RebindMask(du, hn::Gt(axi, hn::Set(di, 0x477FF000 - 1))),
-                     hn::Set(du, 0x7C00u), r);
-  const auto nan =
-      hn::Or(hn::Set(du, 0x7E00u), hn::And(hn::ShiftRight<13>(ax),
-                                           hn::Set(du, 0x3FFu)));
+      hn::RebindMask(du, hn::Gt(axi, hn::Set(di, 0x38800000 - 1))), normal,
+      sub);
+  r = hn::IfThenElse(
+      hn::RebindMask(du, hn::Gt(axi, hn::Set(di, 0x477FF000 - 1))),
+      hn::Set(du, 0x7C00u), r);
+  const auto nan = hn::Or(hn::Set(du, 0x7E00u),
+                          hn::And(hn::ShiftRight<13>(ax), hn::Set(du, 0x3FFu)));
   r = hn::IfThenElse(hn::RebindMask(du, hn::Gt(axi, hn::Set(di, 0x7F800000))),
                      nan, r);
   return hn::DemoteTo(d16, hn::BitCast(di, hn::Or(r, sign)));
@@ -98,41 +101,44 @@ HWY_INLINE hn::Vec<hn::Rebind<uint16_t, DF>> F32ToHalf(DF df, hn::Vec<DF> v) {
 
 // ---- fp32 <-> fp8 --------------------------------------------------------
 
-// Mirrors fp8_internal::FromFloat: returns the code in the low byte of each
-// 32-bit lane.
+// fp8_rne_satfinite of a non-NaN q whose sign is that of `sign_of` (the
+// quotient's dividend: the divisor is > 0, and this way a zero quotient keeps
+// the dividend's sign whatever the division sequence gives). Returns the code
+// in the low byte of each 32-bit lane; the same codes as
+// fp8_internal::FromFloat for every non-NaN input.
+//  1. a = min(|q|, max finite): saturation (infinity included).
+//  2. Round a to the fp8 grid in fp32: adding 2^(e + 23 - kManBits), where
+//     2^e <= a, makes the fp32 unit in the last place the fp8 spacing of a's
+//     binade (at least the subnormal step 2^(1 - kBias - kManBits)), so the
+//     fp32 addition rounds to nearest even on the fp8 grid; subtracting it
+//     back is exact.
+//  3. r * 2^-(127 - kBias) re-biases the exponent: its fp32 bits shifted
+//     right by 23 - kManBits are the fp8 code (an fp32 subnormal for an fp8
+//     subnormal; denormals are not flushed on these paths).
 template <int kManBits, int kBias, uint32_t kMaxCode, class DF>
-HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Fp8FromF32(DF df, hn::Vec<DF> q) {
+HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Fp8FromF32(DF df, hn::Vec<DF> q,
+                                                      hn::Vec<DF> sign_of) {
   const hn::RebindToUnsigned<DF> du;
   const hn::RebindToSigned<DF> di;
   constexpr uint32_t kDrop = 23 - kManBits;
-  constexpr uint32_t kMaxBits = ((kMaxCode >> kManBits) + 127 - kBias) << 23 |
-                                (kMaxCode & ((1u << kManBits) - 1u)) << kDrop;
-  constexpr uint32_t kMinNormalBits = (127u + 1u - kBias) << 23;
-  // fp32 with a unit in the last place equal to the fp8 subnormal step.
-  constexpr int kSubExp = 1 - kBias - kManBits + 23;
-  const float sub_magic = static_cast<float>(1u << kSubExp);
+  const float max_finite =
+      FloatFromBits(((kMaxCode >> kManBits) + 127 - kBias) << 23 |
+                    (kMaxCode & ((1u << kManBits) - 1u)) << kDrop);
+  constexpr int32_t kSubMagicBits = (127 + 1 - kBias - kManBits + 23) << 23;
+  constexpr float kRebias = kBias == 7 ? 0x1p-120f : 0x1p-112f;
+  static_assert(kBias == 7 || kBias == 15, "E4M3 or E5M2");
 
-  const auto bits = hn::BitCast(du, q);
-  const auto ax = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
-  const auto axi = hn::BitCast(di, ax);
-  const auto sign = hn::And(hn::ShiftRight<24>(bits), hn::Set(du, 0x80u));
-  const auto odd = hn::And(hn::ShiftRight<kDrop>(ax), hn::Set(du, 1u));
-  const auto normal = hn::Sub(
-      hn::ShiftRight<kDrop>(
-          hn::Add(hn::Add(ax, hn::Set(du, (1u << (kDrop - 1)) - 1u)), odd)),
-      hn::Set(du, (127u - kBias) << kManBits));
-  const auto magic = hn::Set(df, sub_magic);
-  const auto sub = hn::Sub(hn::BitCast(du, hn::Add(hn::BitCast(df, ax), magic)),
-                           hn::BitCast(du, magic));
-  auto r = hn::IfThenElse(
-      hn::RebindMask(du, hn::Gt(axi, hn::Set(di, int32_t{kMinNormalBits} - 1))),
-      normal, sub);
-  r = hn::IfThenElse(
-      hn::RebindMask(du, hn::Gt(axi, hn::Set(di, int32_t{kMaxBits} - 1))),
-      hn::Set(du, kMaxCode), r);
-  r = hn::IfThenElse(hn::RebindMask(du, hn::Gt(axi, hn::Set(di, 0x7F800000))),
-                     hn::Set(du, 0x7Fu), r);
-  return hn::BitCast(di, hn::Or(r, sign));
+  const auto a = hn::Min(hn::Abs(q), hn::Set(df, max_finite));
+  const auto exp = hn::And(hn::BitCast(di, a), hn::Set(di, 0x7F800000));
+  const auto magic =
+      hn::BitCast(df, hn::Max(hn::Add(exp, hn::Set(di, int32_t{kDrop} << 23)),
+                              hn::Set(di, kSubMagicBits)));
+  const auto r = hn::Sub(hn::Add(a, magic), magic);
+  const auto code =
+      hn::ShiftRight<kDrop>(hn::BitCast(du, hn::Mul(r, hn::Set(df, kRebias))));
+  const auto sign =
+      hn::And(hn::ShiftRight<24>(hn::BitCast(du, sign_of)), hn::Set(du, 0x80u));
+  return hn::BitCast(di, hn::Or(code, sign));
 }
 
 // Mirrors Fp8E4M3ToFloat / Fp8E5M2ToFloat for codes in 32-bit lanes.
@@ -160,10 +166,72 @@ HWY_INLINE hn::Vec<DF> Fp8ToF32(DF df, hn::Vec<hn::RebindToUnsigned<DF>> c) {
   return hn::Or(v, hn::BitCast(df, sign));
 }
 
+// ---- division -------------------------------------------------------------
+
+// RN(a / b) for b > 0, given y = RN(1 / b) from a true division. With a
+// native fused multiply-add this is Markstein's correction step: q0 = RN(a*y)
+// is within 1.5 ulp of a / b, r = a - q0*b is exact, and RN(q0 + r*y) is the
+// correctly rounded quotient (CUDA's __fdiv_rn and IA-64 divide the same
+// way). The sequence is scale invariant while y, q0 and the result are normal
+// numbers, so checking every pair of significands checks every input: see
+// DivisionMismatches and kernels/codec_simd_test.cc, which do it for both
+// uses here (an fp16 dividend over any fp32 divisor, and any fp32 dividend
+// over an fp16 divisor). Callers keep inputs in those ranges. Without a
+// native FMA it is a plain division. A zero dividend may give a zero of
+// either sign: callers take the sign from the dividend.
+constexpr float kMinFmaDivisor = 0x1p-64f;
+constexpr float kMaxFmaDivisor = 0x1p64f;
+
+template <class DF>
+HWY_INLINE hn::Vec<DF> DivideRn(DF df, hn::Vec<DF> a, hn::Vec<DF> b,
+                                hn::Vec<DF> y) {
+#if HWY_NATIVE_FMA
+  const auto q0 = hn::Mul(a, y);
+  const auto r = hn::NegMulAdd(q0, b, a);
+  return hn::MulAdd(r, y, q0);
+#else
+  (void)df;
+  (void)y;
+  return hn::Div(a, b);
+#endif
+}
+
+// Number of (dividend, divisor) pairs whose DivideRn differs from the IEEE
+// quotient in any bit.
+uint64_t DivisionMismatchesImpl(const float* dividends, size_t na,
+                                const float* divisors, size_t nb) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const size_t N = hn::Lanes(df);
+  uint64_t bad = 0;
+  for (size_t j = 0; j < nb; ++j) {
+    const auto b = hn::Set(df, divisors[j]);
+    const auto y = hn::Div(hn::Set(df, 1.0f), b);
+    size_t i = 0;
+    for (; i + N <= na; i += N) {
+      const auto a = hn::LoadU(df, dividends + i);
+      // Zero quotients compare equal whatever their signs (see DivideRn).
+      const auto want = hn::BitCast(du, hn::Add(hn::Div(a, b), hn::Zero(df)));
+      const auto got =
+          hn::BitCast(du, hn::Add(DivideRn(df, a, b, y), hn::Zero(df)));
+      bad += hn::CountTrue(du, hn::Ne(want, got));
+    }
+    for (; i < na; ++i) {
+      const float a = dividends[i];
+      const auto got = DivideRn(df, hn::Set(df, a), b, y);
+      if (FloatBits(hn::GetLane(got) + 0.0f) !=
+          FloatBits(a / divisors[j] + 0.0f)) {
+        ++bad;
+      }
+    }
+  }
+  return bad;
+}
+
 // ---- scratch -------------------------------------------------------------
 
 struct Scratch {
-  std::vector<float> f0, f1, f2, f3;
+  std::vector<float> f0, f1, f2, f3, f4;
   std::vector<uint16_t> u16;
   std::vector<uint8_t> stage;
 };
@@ -217,11 +285,12 @@ float Fp8ScalarToFloat(uint8_t c) {
 }
 
 template <Codec kCodec, class DF>
-HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Fp8Encode(DF df, hn::Vec<DF> q) {
+HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Fp8Encode(DF df, hn::Vec<DF> q,
+                                                     hn::Vec<DF> x) {
   if constexpr (kCodec == Codec::kFp8E4M3) {
-    return Fp8FromF32<3, 7, 0x7E>(df, q);
+    return Fp8FromF32<3, 7, 0x7E>(df, q, x);
   } else {
-    return Fp8FromF32<2, 15, 0x7B>(df, q);
+    return Fp8FromF32<2, 15, 0x7B>(df, q, x);
   }
 }
 
@@ -272,11 +341,20 @@ void EncodeFp8(const Section& s, const uint16_t* in, uint8_t* out) {
       uint8_t* dst = codes + base;
       const float sc = scale[h];
       const auto vsc = hn::Set(df, sc);
+      const auto vrcp = hn::Set(df, 1.0f / sc);
       size_t j = 0;
-      for (; j + N <= D; j += N) {
-        const auto x = HalfToF32(df, hn::LoadU(d16, row + j));
-        const auto c = Fp8Encode<kCodec>(df, hn::Div(x, vsc));
-        hn::StoreU(hn::DemoteTo(d8, c), d8, dst + j);
+      if (sc >= kMinFmaDivisor && sc <= kMaxFmaDivisor) {
+        for (; j + N <= D; j += N) {
+          const auto x = HalfToF32(df, hn::LoadU(d16, row + j));
+          const auto c = Fp8Encode<kCodec>(df, DivideRn(df, x, vsc, vrcp), x);
+          hn::StoreU(hn::DemoteTo(d8, c), d8, dst + j);
+        }
+      } else {
+        for (; j + N <= D; j += N) {
+          const auto x = HalfToF32(df, hn::LoadU(d16, row + j));
+          const auto c = Fp8Encode<kCodec>(df, hn::Div(x, vsc), x);
+          hn::StoreU(hn::DemoteTo(d8, c), d8, dst + j);
+        }
       }
       for (; j < D; ++j) dst[j] = Fp8Scalar<kCodec>(HalfToFloat(row[j]) / sc);
     }
@@ -290,7 +368,8 @@ void DecodeFp8(const Section& s, const uint8_t* in, uint16_t* out) {
   float* scale = Sized(scratch.f0, H);
   const uint8_t* codes = in;
   if (s.static_scales == nullptr) {
-    for (size_t h = 0; h < H; ++h) scale[h] = FloatFromBits(LoadLe32(in + 4 * h));
+    for (size_t h = 0; h < H; ++h)
+      scale[h] = FloatFromBits(LoadLe32(in + 4 * h));
     codes = in + 4 * H;
   } else {
     for (size_t h = 0; h < H; ++h) scale[h] = s.static_scales[h];
@@ -335,9 +414,11 @@ void PackCodes(const uint8_t* codes, size_t n, uint8_t* out) {
     const hn::Rebind<uint8_t, decltype(d32)> dq;
     for (; i + N8 <= n; i += N8) {
       const auto v = hn::BitCast(d32, hn::LoadU(d8, codes + i));
-      const auto p = hn::Or(hn::Or(v, hn::ShiftRight<6>(v)),
-                            hn::Or(hn::ShiftRight<12>(v), hn::ShiftRight<18>(v)));
-      hn::StoreU(hn::U8FromU32(hn::And(p, hn::Set(d32, 0xFFu))), dq, out + i / 4);
+      const auto p =
+          hn::Or(hn::Or(v, hn::ShiftRight<6>(v)),
+                 hn::Or(hn::ShiftRight<12>(v), hn::ShiftRight<18>(v)));
+      hn::StoreU(hn::U8FromU32(hn::And(p, hn::Set(d32, 0xFFu))), dq,
+                 out + i / 4);
     }
     for (; i < n; i += 4) {
       out[i / 4] = static_cast<uint8_t>(codes[i] | codes[i + 1] << 2 |
@@ -349,7 +430,8 @@ void PackCodes(const uint8_t* codes, size_t n, uint8_t* out) {
     const hn::Rebind<uint8_t, decltype(d16)> dh;
     for (; i + N8 <= n; i += N8) {
       const auto v = hn::BitCast(d16, hn::LoadU(d8, codes + i));
-      const auto p = hn::And(hn::Or(v, hn::ShiftRight<4>(v)), hn::Set(d16, 0xFFu));
+      const auto p =
+          hn::And(hn::Or(v, hn::ShiftRight<4>(v)), hn::Set(d16, 0xFFu));
       hn::StoreU(hn::DemoteTo(dh, hn::BitCast(di16, p)), dh, out + i / 2);
     }
     for (; i < n; i += 2) {
@@ -394,12 +476,15 @@ void UnpackCodes(const uint8_t* packed, size_t n, uint8_t* codes) {
 // (zero is the group minimum), so the quotient is >= 0 (or -0), and
 // rint(min(q, qmax)) == min(rint(q), qmax); rint of a value in [0, 2^22]
 // is (q + 2^23) - 2^23 in fp32 round to nearest even.
+// The scale is an fp16 value and x - zero is 0 or at least 2^-24, so
+// DivideRn's ranges hold; lanes where scale == 0 (rcp = inf) are discarded.
 template <class DF>
 HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> KiviCode(DF df, hn::Vec<DF> x,
                                                     hn::Vec<DF> zero,
                                                     hn::Vec<DF> scale,
+                                                    hn::Vec<DF> rcp,
                                                     hn::Vec<DF> qmax) {
-  const auto q = hn::Min(hn::Div(hn::Sub(x, zero), scale), qmax);
+  const auto q = hn::Min(DivideRn(df, hn::Sub(x, zero), scale, rcp), qmax);
   const auto magic = hn::Set(df, 0x1p23f);
   const auto r = hn::Sub(hn::Add(q, magic), magic);
   const auto code = hn::IfThenZeroElse(hn::Eq(scale, hn::Zero(df)), r);
@@ -415,8 +500,7 @@ bool KiviFits(const Section& s, size_t N) {
 // Keys: groups of G tokens per channel. Metadata of token group g is the
 // contiguous run [g*HD, g*HD + HD) (HD = H*D), like one token row.
 template <uint32_t kBits, class DF>
-void EncodeKiviKeys(DF df, const Section& s, const uint16_t* in,
-                    uint8_t* out) {
+void EncodeKiviKeys(DF df, const Section& s, const uint16_t* in, uint8_t* out) {
   const size_t T = s.tokens, G = s.group, HD = size_t{s.heads} * s.dim;
   const size_t groups = s.elements() / G;
   uint8_t* zeros = out;
@@ -428,55 +512,43 @@ void EncodeKiviKeys(DF df, const Section& s, const uint16_t* in,
   const size_t N = hn::Lanes(df);
   const auto qmax = hn::Set(df, static_cast<float>((1u << kBits) - 1u));
   const auto pos_zero = hn::Zero(df);
+  const auto one = hn::Set(df, 1.0f);
   Scratch& scratch = GetScratch();
-  float* mn = Sized(scratch.f0, HD);
-  float* mx = Sized(scratch.f1, HD);
-  float* zf = Sized(scratch.f2, HD);
-  float* sf = Sized(scratch.f3, HD);
-  uint8_t* stage = Sized(scratch.stage, HD);
+  uint8_t* stage = Sized(scratch.stage, G * HD);  // codes of one token group
   for (size_t g = 0; g < T / G; ++g) {
     const uint16_t* slice = in + g * G * HD;
     for (size_t j = 0; j < HD; j += N) {
-      const auto x = HalfToF32(df, hn::LoadU(d16, slice + j));
-      hn::StoreU(x, df, mn + j);
-      hn::StoreU(x, df, mx + j);
-    }
-    for (size_t t = 1; t < G; ++t) {
-      const uint16_t* row = slice + t * HD;
-      for (size_t j = 0; j < HD; j += N) {
-        const auto x = HalfToF32(df, hn::LoadU(d16, row + j));
-        hn::StoreU(hn::Min(hn::LoadU(df, mn + j), x), df, mn + j);
-        hn::StoreU(hn::Max(hn::LoadU(df, mx + j), x), df, mx + j);
+      // Per channel over the G tokens of the group.
+      auto mn = HalfToF32(df, hn::LoadU(d16, slice + j));
+      auto mx = mn;
+      for (size_t t = 1; t < G; ++t) {
+        const auto x = HalfToF32(df, hn::LoadU(d16, slice + t * HD + j));
+        mn = hn::Min(mn, x);
+        mx = hn::Max(mx, x);
       }
-    }
-    for (size_t j = 0; j < HD; j += N) {
       // A zero min or max is +0.
-      const auto lo = hn::Add(hn::LoadU(df, mn + j), pos_zero);
-      const auto hi = hn::Add(hn::LoadU(df, mx + j), pos_zero);
+      const auto lo = hn::Add(mn, pos_zero);
+      const auto hi = hn::Add(mx, pos_zero);
       const auto zh = F32ToHalf(df, lo);
       const auto sh = F32ToHalf(df, hn::Div(hn::Sub(hi, lo), qmax));
       const size_t m = g * HD + j;
       hn::StoreU(hn::BitCast(d16b, zh), d16b, zeros + 2 * m);
       hn::StoreU(hn::BitCast(d16b, sh), d16b, scales + 2 * m);
-      hn::StoreU(HalfToF32(df, zh), df, zf + j);
-      hn::StoreU(HalfToF32(df, sh), df, sf + j);
-    }
-    for (size_t t = 0; t < G; ++t) {
-      const uint16_t* row = slice + t * HD;
-      for (size_t j = 0; j < HD; j += N) {
-        const auto x = HalfToF32(df, hn::LoadU(d16, row + j));
-        const auto c = KiviCode(df, x, hn::LoadU(df, zf + j),
-                                hn::LoadU(df, sf + j), qmax);
-        hn::StoreU(hn::DemoteTo(d8, c), d8, stage + j);
+      const auto zero = HalfToF32(df, zh);
+      const auto scale = HalfToF32(df, sh);
+      const auto rcp = hn::Div(one, scale);
+      for (size_t t = 0; t < G; ++t) {
+        const auto x = HalfToF32(df, hn::LoadU(d16, slice + t * HD + j));
+        hn::StoreU(hn::DemoteTo(d8, KiviCode(df, x, zero, scale, rcp, qmax)),
+                   d8, stage + t * HD + j);
       }
-      PackCodes<kBits>(stage, HD, codes + (g * G + t) * HD * kBits / 8);
     }
+    PackCodes<kBits>(stage, G * HD, codes + g * G * HD * kBits / 8);
   }
 }
 
 template <uint32_t kBits, class DF>
-void DecodeKiviKeys(DF df, const Section& s, const uint8_t* in,
-                    uint16_t* out) {
+void DecodeKiviKeys(DF df, const Section& s, const uint8_t* in, uint16_t* out) {
   const size_t T = s.tokens, G = s.group, HD = size_t{s.heads} * s.dim;
   const size_t groups = s.elements() / G;
   const uint8_t* zeros = in;
@@ -494,8 +566,9 @@ void DecodeKiviKeys(DF df, const Section& s, const uint8_t* in,
   for (size_t g = 0; g < T / G; ++g) {
     for (size_t j = 0; j < HD; j += N) {
       const size_t m = g * HD + j;
-      hn::StoreU(HalfToF32(df, hn::BitCast(d16, hn::LoadU(d16b, zeros + 2 * m))),
-                 df, zf + j);
+      hn::StoreU(
+          HalfToF32(df, hn::BitCast(d16, hn::LoadU(d16b, zeros + 2 * m))), df,
+          zf + j);
       hn::StoreU(
           HalfToF32(df, hn::BitCast(d16, hn::LoadU(d16b, scales + 2 * m))), df,
           sf + j);
@@ -504,7 +577,8 @@ void DecodeKiviKeys(DF df, const Section& s, const uint8_t* in,
       UnpackCodes<kBits>(codes + t * HD * kBits / 8, HD, stage);
       uint16_t* dst = out + t * HD;
       for (size_t j = 0; j < HD; j += N) {
-        const auto c = hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, stage + j)));
+        const auto c =
+            hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, stage + j)));
         // Multiply, round, add, round (no fused multiply-add).
         const auto p = hn::Mul(c, hn::LoadU(df, sf + j));
         const auto y = hn::Add(p, hn::LoadU(df, zf + j));
@@ -551,12 +625,14 @@ void EncodeKiviValues(DF df, const Section& s, const uint16_t* in,
       StoreLe16(zeros + 2 * k, zh);
       StoreLe16(scales + 2 * k, sh);
       const auto zero = hn::Set(df, HalfToFloat(zh));
-      const auto scale = hn::Set(df, HalfToFloat(sh));
+      const float scale_f = HalfToFloat(sh);
+      const auto scale = hn::Set(df, scale_f);
+      const auto rcp = hn::Set(df, 1.0f / scale_f);
       uint8_t* dst = stage + (k - k0) * G;
       for (size_t j = 0; j < G; j += N) {
         const auto x = HalfToF32(df, hn::LoadU(d16, src + j));
-        hn::StoreU(hn::DemoteTo(d8, KiviCode(df, x, zero, scale, qmax)), d8,
-                   dst + j);
+        hn::StoreU(hn::DemoteTo(d8, KiviCode(df, x, zero, scale, rcp, qmax)),
+                   d8, dst + j);
       }
     }
     PackCodes<kBits>(stage, (k1 - k0) * G, codes + k0 * G * kBits / 8);
@@ -687,6 +763,13 @@ size_t FindNonFiniteHalfImpl(const uint16_t* in, size_t n) {
 
 const char* TargetNameImpl() { return hwy::TargetName(HWY_TARGET); }
 
+#if HWY_TARGET == HWY_SCALAR
+// This target runs the scalar reference, which divides with IEEE division.
+uint64_t DivisionMismatchesImpl(const float*, size_t, const float*, size_t) {
+  return 0;
+}
+#endif
+
 }  // namespace HWY_NAMESPACE
 }  // namespace kvcache::kernels::internal
 HWY_AFTER_NAMESPACE();
@@ -698,6 +781,13 @@ HWY_EXPORT(EncodeSectionImpl);
 HWY_EXPORT(DecodeSectionImpl);
 HWY_EXPORT(FindNonFiniteHalfImpl);
 HWY_EXPORT(TargetNameImpl);
+HWY_EXPORT(DivisionMismatchesImpl);
+
+uint64_t DivisionMismatches(const float* dividends, size_t num_dividends,
+                            const float* divisors, size_t num_divisors) {
+  return HWY_DYNAMIC_DISPATCH(DivisionMismatchesImpl)(dividends, num_dividends,
+                                                      divisors, num_divisors);
+}
 
 void EncodeSectionSimd(const Section& s, const uint16_t* in, uint8_t* out) {
   HWY_DYNAMIC_DISPATCH(EncodeSectionImpl)(s, in, out);

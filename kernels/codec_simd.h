@@ -18,6 +18,11 @@ void DecodeSectionSimd(const Section& s, const uint8_t* in, uint16_t* out);
 // Index of the first non-finite fp16 value in in[0, n), n when none is.
 size_t FindNonFiniteHalfSimd(const uint16_t* in, size_t n);
 
+// For tests: how many (dividend, divisor) pairs the SIMD division of the
+// active target gets wrong, bit for bit, against IEEE fp32 division.
+uint64_t DivisionMismatches(const float* dividends, size_t num_dividends,
+                            const float* divisors, size_t num_divisors);
+
 // For tests and benchmarks: the Highway targets compiled into this library
 // that this CPU supports (best first), the name of a target, the target the
 // dispatcher uses now, and a way to force one target (0 restores the

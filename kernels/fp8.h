@@ -24,7 +24,7 @@ namespace fp8_internal {
 // kManBits mantissa bits, exponent bias kBias; kMaxCode is the code of the
 // largest finite magnitude (sign bit clear).
 template <int kManBits, int kBias, uint32_t kMaxCode>
-inline uint8_t FromFloat(float f) {
+KVCACHE_HD inline uint8_t FromFloat(float f) {
   const uint32_t x = FloatBits(f);
   const uint32_t sign = (x >> 24) & 0x80u;
   const uint32_t ax = x & 0x7FFFFFFFu;
@@ -60,7 +60,7 @@ inline uint8_t FromFloat(float f) {
 }
 
 template <int kManBits, int kBias>
-inline float ToFloatFinite(uint8_t code) {
+KVCACHE_HD inline float ToFloatFinite(uint8_t code) {
   const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 24;
   const uint32_t exp = (code >> kManBits) & (0x7Fu >> kManBits);
   uint32_t man = code & ((1u << kManBits) - 1u);
@@ -83,11 +83,11 @@ inline float ToFloatFinite(uint8_t code) {
 inline constexpr float kFp8E4M3Max = 448.0f;
 inline constexpr float kFp8E5M2Max = 57344.0f;
 
-inline uint8_t Fp8E4M3FromFloat(float f) {
+KVCACHE_HD inline uint8_t Fp8E4M3FromFloat(float f) {
   return fp8_internal::FromFloat<3, 7, 0x7E>(f);
 }
 
-inline float Fp8E4M3ToFloat(uint8_t code) {
+KVCACHE_HD inline float Fp8E4M3ToFloat(uint8_t code) {
   if ((code & 0x7Fu) == 0x7Fu) {  // NaN, sign kept
     return FloatFromBits(static_cast<uint32_t>(code & 0x80u) << 24 |
                          0x7FC00000u);
@@ -95,11 +95,11 @@ inline float Fp8E4M3ToFloat(uint8_t code) {
   return fp8_internal::ToFloatFinite<3, 7>(code);
 }
 
-inline uint8_t Fp8E5M2FromFloat(float f) {
+KVCACHE_HD inline uint8_t Fp8E5M2FromFloat(float f) {
   return fp8_internal::FromFloat<2, 15, 0x7B>(f);
 }
 
-inline float Fp8E5M2ToFloat(uint8_t code) {
+KVCACHE_HD inline float Fp8E5M2ToFloat(uint8_t code) {
   const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 24;
   if ((code & 0x7Fu) == 0x7Cu) return FloatFromBits(sign | 0x7F800000u);
   if ((code & 0x7Fu) > 0x7Cu) return FloatFromBits(sign | 0x7FC00000u);

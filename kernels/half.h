@@ -13,25 +13,43 @@
 #include <cstdint>
 #include <cstring>
 
+// The conversions are also compiled into the CUDA kernels (nvcc), so that
+// the GPU path runs the very same code.
+#if defined(__CUDACC__)
+#define KVCACHE_HD __host__ __device__
+#else
+#define KVCACHE_HD
+#endif
+
 namespace kvcache::kernels {
 
-inline uint32_t FloatBits(float f) {
+KVCACHE_HD inline uint32_t FloatBits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
   return u;
+#endif
 }
 
-inline float FloatFromBits(uint32_t u) {
+KVCACHE_HD inline float FloatFromBits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
   float f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
+#endif
 }
 
 // True when the fp16 bit pattern is an infinity or a NaN.
-inline bool HalfIsNonFinite(uint16_t h) { return (h & 0x7C00u) == 0x7C00u; }
+KVCACHE_HD inline bool HalfIsNonFinite(uint16_t h) {
+  return (h & 0x7C00u) == 0x7C00u;
+}
 
 // Exact conversion of an fp16 bit pattern to fp32.
-inline float HalfToFloat(uint16_t h) {
+KVCACHE_HD inline float HalfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1Fu;
   uint32_t man = h & 0x3FFu;
@@ -54,7 +72,7 @@ inline float HalfToFloat(uint16_t h) {
 }
 
 // fp32 -> fp16, round to nearest even, subnormals, overflow to infinity.
-inline uint16_t HalfFromFloat(float f) {
+KVCACHE_HD inline uint16_t HalfFromFloat(float f) {
   const uint32_t x = FloatBits(f);
   const uint32_t sign = (x >> 16) & 0x8000u;
   const uint32_t ax = x & 0x7FFFFFFFu;

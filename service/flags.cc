@@ -103,6 +103,13 @@ absl::Status ApplyFlag(absl::string_view name, absl::string_view value,
     if (!bytes.ok()) return bytes.status();
     if (*bytes > INT32_MAX) return Bad(name, value, "at most 2GiB-1");
     o.max_request_bytes = static_cast<int>(*bytes);
+  } else if (name == "high-watermark" || name == "low-watermark") {
+    double v = 0;
+    if (!absl::SimpleAtod(value, &v) || v <= 0 || v > 1) {
+      return Bad(name, value, "expected a fraction in (0, 1]");
+    }
+    (name == "high-watermark" ? o.store.high_watermark
+                              : o.store.low_watermark) = v;
   } else if (name == "drain-timeout") {
     return parse_seconds(&o.drain_timeout);
   } else if (name == "workers") {
@@ -139,6 +146,9 @@ Usage: kvcache-node [--flag=value ...]
   --max-namespaces=N            namespaces a node holds (default 16)
   --max-blocks-per-request=N    keys in one request (default 1024)
   --max-request-bytes=BYTES     largest gRPC message accepted (default 256MiB)
+  --high-watermark=FRACTION     above this pool usage, evict in the background
+                                (default 0.95; 1 turns it off) ...
+  --low-watermark=FRACTION      ... down to this usage (default 0.90)
   --drain-timeout=SECONDS       on SIGTERM, how long in-flight calls may
                                 finish (default 20)
   --workers=N                   threads for encode/decode (default: cores)

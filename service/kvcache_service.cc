@@ -82,6 +82,7 @@ absl::StatusOr<store::NamespaceConfig> ConfigFromProto(
                                   p.static_v_scales().end());
   c.policy.kivi_group_size =
       p.kivi_group_size() == 0 ? 32 : p.kivi_group_size();
+  if (p.has_residual_tokens()) c.residual_tokens = p.residual_tokens();
   return c;
 }
 
@@ -309,6 +310,8 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
       out->set_data(std::move(block.data));
     }
     PolicyToProto(r->ns.config.policy, response->mutable_codec_policy());
+    response->mutable_codec_policy()->set_residual_tokens(
+        r->ns.config.residual_tokens);
     LayoutToProto(r->ns.config.shape, response->mutable_layout());
     response->set_read_id(r->lease_id);
     metrics_->RecordTransfer("out", "grpc", bytes);
@@ -366,7 +369,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Stats(
             kernels::CodecName(static_cast<Codec>(c)))] = ns.tokens_that_fit[c];
       }
     }
-    response->set_evictions(s.evictions_capacity);
+    response->set_evictions(s.evictions_capacity + s.evictions_watermark);
     response->set_data_loss_events(s.data_loss_events);
     response->set_lookup_hits(s.lookup_hits);
     response->set_lookup_misses(s.lookup_misses);

@@ -110,6 +110,7 @@ class Metrics::StoreCollector : public prometheus::Collectable {
         Family("kvcache_evictions_total", "Blocks removed, by reason.",
                MetricType::Counter);
     AddValue(&evictions, s.evictions_capacity, {{"reason", "capacity"}});
+    AddValue(&evictions, s.evictions_watermark, {{"reason", "watermark"}});
     AddValue(&evictions, s.evictions_data_loss, {{"reason", "data_loss"}});
     AddValue(&evictions, s.deleted, {{"reason", "deleted"}});
     out.push_back(std::move(evictions));
@@ -132,6 +133,23 @@ class Metrics::StoreCollector : public prometheus::Collectable {
     AddValue(&leases, s.active_read_leases, {{"kind", "read"}});
     AddValue(&leases, s.active_write_leases, {{"kind", "write"}});
     out.push_back(std::move(leases));
+
+    out.push_back(Family("kvcache_reencoded_blocks_total",
+                         "Blocks re-encoded from fp16 to their KIVI codec on "
+                         "leaving the residual window.",
+                         MetricType::Counter));
+    AddValue(&out.back(), s.reencoded_blocks);
+    gauge("kvcache_reencode_queue_blocks",
+          "Blocks waiting to be re-encoded out of the residual window.",
+          s.pending_reencodes);
+    MetricFamily residual =
+        Family("kvcache_residual_blocks",
+               "Blocks kept fp16 in KIVI's residual window, per namespace.",
+               MetricType::Gauge);
+    for (const store::NamespaceStats& ns : s.namespaces) {
+      AddValue(&residual, ns.residual_blocks, {{"namespace", ns.name}});
+    }
+    out.push_back(std::move(residual));
 
     out.push_back(Family("kvcache_leases_expired_total",
                          "Leases ended by their TTL.", MetricType::Counter));

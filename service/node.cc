@@ -91,10 +91,8 @@ absl::Status Node::Start() {
 void Node::ReaperLoop() {
   while (
       !stop_reaper_.WaitForNotificationWithTimeout(options_.reaper_interval)) {
-    int expired = store_->ExpireLeases(absl::Now());
-    if (expired > 0) {
-      LogInfo(absl::StrCat("expired ", expired, " abandoned lease(s)"));
-    }
+    // Lease expiry, watermark eviction, KIVI residual re-encodes.
+    store_->RunMaintenance(absl::Now());
   }
 }
 

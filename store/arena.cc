@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "store/cuda_memory.h"
 
 namespace kvcache::store {
 namespace {
@@ -19,24 +20,39 @@ namespace {
 // Owns one anonymous private mapping.
 class HostArena final : public Arena {
  public:
-  HostArena(void* base, uint64_t size, bool huge)
-      : base_(static_cast<uint8_t*>(base)), size_(size), huge_(huge) {}
-  ~HostArena() override { munmap(base_, size_); }
+  HostArena(void* base, uint64_t size, bool huge, bool pinned)
+      : base_(static_cast<uint8_t*>(base)),
+        size_(size),
+        huge_(huge),
+        pinned_(pinned) {}
+  ~HostArena() override {
+    if (pinned_) internal::UnpinHostMemory(base_);
+    munmap(base_, size_);
+  }
   HostArena(const HostArena&) = delete;
   HostArena& operator=(const HostArena&) = delete;
 
-  uint8_t* base() override { return base_; }
   uint64_t size() const override { return size_; }
   MemoryKind kind() const override { return MemoryKind::kHost; }
   std::string Describe() const override {
     return absl::StrCat("host memory, ", size_, " bytes",
-                        huge_ ? ", transparent huge pages advised" : "");
+                        huge_ ? ", transparent huge pages advised" : "",
+                        pinned_ ? ", pinned for CUDA" : "");
+  }
+  absl::Status Write(uint64_t offset, const void* src, size_t n) override {
+    std::memcpy(base_ + offset, src, n);
+    return absl::OkStatus();
+  }
+  absl::Status Read(uint64_t offset, void* dst, size_t n) const override {
+    std::memcpy(dst, base_ + offset, n);
+    return absl::OkStatus();
   }
 
  private:
   uint8_t* base_;
   uint64_t size_;
   bool huge_;
+  bool pinned_;
 };
 
 }  // namespace
@@ -105,13 +121,16 @@ absl::StatusOr<MemorySpec> ParseMemorySpec(absl::string_view text) {
 
 absl::StatusOr<std::unique_ptr<Arena>> CreateArena(const MemorySpec& spec) {
   if (spec.kind == MemoryKind::kGpu) {
-    // The device tier needs the CUDA arena of the store issue; until then a
-    // request for it is refused up front rather than silently served from
-    // host memory.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--memory=gpu:", spec.device,
-        ":...: the GPU memory tier is not available in this build; use "
-        "--memory=host:SIZE"));
+    std::string why;
+    int devices = CudaDeviceCount(&why);
+    if (spec.device >= devices) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--memory=gpu:", spec.device, ":", spec.bytes,
+          ": no such CUDA device (",
+          devices == 0 ? why : absl::StrCat(devices, " device(s) present"),
+          "); use --memory=host:SIZE on a machine without a GPU"));
+    }
+    return internal::CreateDeviceArena(spec.device, spec.bytes);
   }
   void* base = mmap(nullptr, spec.bytes, PROT_READ | PROT_WRITE,
                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -120,8 +139,11 @@ absl::StatusOr<std::unique_ptr<Arena>> CreateArena(const MemorySpec& spec) {
         "cannot map ", spec.bytes, " bytes of host memory: ", strerror(errno)));
   }
   bool huge = madvise(base, spec.bytes, MADV_HUGEPAGE) == 0;
+  std::string why;
+  bool pinned =
+      CudaDeviceCount(&why) > 0 && internal::PinHostMemory(base, spec.bytes);
   return std::unique_ptr<Arena>(
-      std::make_unique<HostArena>(base, spec.bytes, huge));
+      std::make_unique<HostArena>(base, spec.bytes, huge, pinned));
 }
 
 }  // namespace kvcache::store

@@ -1,10 +1,14 @@
 // Arena: one contiguous region of memory that holds every stored block.
 //
 // Contract: an Arena owns its region for its whole lifetime and never moves
-// it; base() is aligned to at least 4 KiB. The host arena is one anonymous
-// mapping (transparent huge pages advised where the kernel offers them).
-// The device tier (gpu:INDEX:SIZE) is parsed here so that asking for it gives
-// one clear start-up error on a machine or build without that device.
+// it. Bytes move in and out only through Write/Read, so the store works the
+// same over host memory and over GPU memory it cannot address directly.
+//  * host:SIZE — one anonymous mapping, transparent huge pages advised, and
+//    pinned with cudaHostRegister when the build has CUDA and a device
+//    exists (so device copies and future GPU codecs run at full speed).
+//  * gpu:INDEX:SIZE — cudaMalloc on that device; Write/Read are synchronous
+//    cudaMemcpy. Asking for a device that is not there (or a build without
+//    CUDA) fails at start-up with one clear message.
 #ifndef KVCACHE_STORE_ARENA_H_
 #define KVCACHE_STORE_ARENA_H_
 
@@ -13,6 +17,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -35,14 +40,21 @@ absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text);
 class Arena {
  public:
   virtual ~Arena() = default;
-  virtual uint8_t* base() = 0;
   virtual uint64_t size() const = 0;
   virtual MemoryKind kind() const = 0;
   virtual std::string Describe() const = 0;
+  // Copy n bytes between host memory and [offset, offset + n) of the arena.
+  // The range must lie inside the arena. Errors only on device failures.
+  virtual absl::Status Write(uint64_t offset, const void* src, size_t n) = 0;
+  virtual absl::Status Read(uint64_t offset, void* dst, size_t n) const = 0;
 };
 
 // Creates the arena named by spec, or explains why it cannot.
 absl::StatusOr<std::unique_ptr<Arena>> CreateArena(const MemorySpec& spec);
+
+// Number of CUDA devices this process can use; 0 (with the reason in *why)
+// when the build has no CUDA, there is no driver or no device.
+int CudaDeviceCount(std::string* why);
 
 }  // namespace kvcache::store
 

@@ -14,13 +14,16 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "store/arena.h"
 
 namespace kvcache::store {
 
 class PagePool {
  public:
-  PagePool(uint8_t* base, uint64_t arena_bytes, uint32_t page_size);
+  // Pages cover [offset, offset + bytes) of the arena.
+  PagePool(Arena* arena, uint64_t offset, uint64_t bytes, uint32_t page_size);
 
   uint32_t page_size() const { return page_size_; }
   uint32_t num_pages() const { return num_pages_; }
@@ -37,18 +40,22 @@ class PagePool {
   bool Allocate(uint32_t count, std::vector<uint32_t>* out);
   void Release(absl::Span<const uint32_t> pages);
 
-  uint8_t* PageAddress(uint32_t page) const {
-    return base_ + static_cast<uint64_t>(page) * page_size_;
+  // Arena offset of a page's first byte.
+  uint64_t PageOffset(uint32_t page) const {
+    return offset_ + static_cast<uint64_t>(page) * page_size_;
   }
 
-  // Copies `bytes` into/out of the page list, page by page.
-  void Scatter(absl::Span<const uint32_t> pages,
-               absl::Span<const uint8_t> bytes);
-  void Gather(absl::Span<const uint32_t> pages,
-              absl::Span<uint8_t> bytes) const;
+  // Copy `bytes` into/out of the page list, page by page (one copy per run
+  // of consecutive pages). The pages must hold at least bytes.size() bytes.
+  // Safe to call concurrently on pages that the caller owns.
+  absl::Status Scatter(absl::Span<const uint32_t> pages,
+                       absl::Span<const uint8_t> bytes) const;
+  absl::Status Gather(absl::Span<const uint32_t> pages,
+                      absl::Span<uint8_t> bytes) const;
 
  private:
-  uint8_t* base_;
+  Arena* arena_;
+  uint64_t offset_;
   uint32_t page_size_;
   uint32_t num_pages_;
   std::vector<uint32_t> free_;  // a stack: the most recently freed first

@@ -1,29 +1,41 @@
 // Store: the cache node's state — namespaces, the block index, leases,
-// eviction and capacity accounting — over one PagePool. It knows nothing of
-// gRPC or UCX; the service maps its absl::Status codes onto the wire.
+// eviction, KIVI's residual window and capacity accounting — over one
+// PagePool. It knows nothing of gRPC or UCX; the service maps its
+// absl::Status codes onto the wire.
 //
-// Invariants (each guarded by mu_):
-//  * A block is visible (in index_) only after CommitWrite; a visible block
-//    is immutable: its pages are written once, before it becomes visible.
-//  * Every page is owned by exactly one of: the free list, a write lease's
-//    reservation, a stored block (visible, or removed but still pinned).
-//  * A block with pins > 0 is never evicted and its pages are never reused;
-//    Delete or data loss of a pinned block hides it at once and frees its
-//    pages when the last pin goes.
+// Invariants:
+//  * A block is visible (in the index) only after CommitWrite. Its KV never
+//    changes; its representation changes once at most, when KIVI's residual
+//    window re-encodes it from fp16 to the namespace codec.
+//  * Every page is owned by exactly one of: the free stack, a write lease's
+//    reservation, a re-encode in progress, a stored block (visible, or
+//    removed but still pinned).
+//  * A block with pins > 0 is never evicted, never re-encoded, and its pages
+//    are never reused; Delete or data loss of a pinned block hides it at
+//    once and frees its pages when the last pin goes.
 //  * Eviction is prefix aware: a block with cached children is never
 //    evicted; among evictable blocks (no children, no pins) the least
-//    recently used goes first.
+//    recently used goes first (exactly, when calls do not race).
 //  * Accounting (used bytes, blocks/tokens per codec) changes exactly when a
-//    block enters or leaves the store, so Stats() equals the bytes held.
+//    block enters or leaves the store or is re-encoded, so Stats() equals
+//    the bytes held whenever no call is in flight.
 //  * A block's header sits in the header-slab slot of its first page; the
-//    payload fills its pages from the first byte.
-//  * Every read verifies the block header and payload checksum; a failure
-//    answers DATA_LOSS, drops the block and counts it.
+//    payload fills its pages from the first byte. Every read verifies header
+//    and payload checksum; a failure answers DATA_LOSS, drops the block and
+//    counts it.
+//
+// Concurrency: the index is split into shards by key hash, each with its own
+// mutex, map and LRU order; the page pool, the leases and the namespaces have
+// one mutex each. No thread holds two shard mutexes at once; the pool and
+// lease mutexes are taken last. Encode, decode, copies and checksums run with
+// no mutex held, on pages that a lease, a pin or a re-encode owns.
 #ifndef KVCACHE_STORE_STORE_H_
 #define KVCACHE_STORE_STORE_H_
 
 #include <array>
+#include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <set>
@@ -48,6 +60,7 @@ namespace kvcache::store {
 
 inline constexpr size_t kMaxKeyBytes = 64;
 inline constexpr size_t kNumCodecs = 5;
+inline constexpr size_t kNumShards = 16;
 
 struct StoreOptions {
   uint32_t page_size = 64 * 1024;
@@ -56,6 +69,10 @@ struct StoreOptions {
   size_t max_namespaces = 16;
   size_t max_blocks_per_request = 1024;
   kernels::Codec default_codec = kernels::Codec::kFp8E4M3;
+  // Background eviction (RunMaintenance): above high, evict down to low.
+  // Fractions of the pool; high >= 1 turns it off.
+  double high_watermark = 0.95;
+  double low_watermark = 0.90;
 };
 
 struct NamespaceConfig {
@@ -67,6 +84,9 @@ struct NamespaceConfig {
   // codec_specified == false means "the node's default codec".
   bool codec_specified = true;
   kernels::CodecPolicy policy;
+  // KIVI codecs only: per chain, the blocks holding the most recent this
+  // many tokens stay fp16 (0: off). Ignored for other codecs.
+  uint32_t residual_tokens = 128;
 };
 
 struct NamespaceInfo {
@@ -104,6 +124,8 @@ enum class ReadFormat { kFp16, kRaw };
 
 struct ReadBlock {
   std::string key;
+  // The codec this block is stored with: the namespace codec, or kNone for a
+  // block in KIVI's residual window (then a raw read is plain fp16).
   kernels::Codec codec = kernels::Codec::kNone;
   std::string data;  // fp16 (little-endian half) or the raw encoding
 };
@@ -126,6 +148,7 @@ struct NamespaceStats {
   kernels::Codec codec = kernels::Codec::kNone;
   uint64_t blocks = 0;
   uint64_t tokens = 0;
+  uint64_t residual_blocks = 0;  // kept fp16 by the KIVI residual window
   std::array<uint64_t, kNumCodecs> tokens_that_fit{};  // by codec index
 };
 
@@ -138,7 +161,8 @@ struct StoreStats {
   uint32_t page_size = 0;
   std::array<CodecStats, kNumCodecs> codecs{};
   std::vector<NamespaceStats> namespaces;
-  uint64_t evictions_capacity = 0;
+  uint64_t evictions_capacity = 0;   // on demand, to make room for a write
+  uint64_t evictions_watermark = 0;  // in the background, above high
   uint64_t evictions_data_loss = 0;
   uint64_t deleted = 0;
   uint64_t data_loss_events = 0;
@@ -147,9 +171,11 @@ struct StoreStats {
   uint32_t active_read_leases = 0;
   uint32_t active_write_leases = 0;
   uint64_t expired_leases = 0;
+  uint64_t reencoded_blocks = 0;
+  uint64_t pending_reencodes = 0;
 };
 
-// Called after each block encode, outside the store lock.
+// Called after each block encode, outside every store mutex.
 using QuantizeObserver = std::function<void(kernels::Codec, double seconds)>;
 
 class Store {
@@ -160,6 +186,7 @@ class Store {
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
 
+  // Set before the store is shared between threads.
   void SetQuantizeObserver(QuantizeObserver observer);
 
   // INVALID_ARGUMENT: bad name, shape or codec policy. FAILED_PRECONDITION:
@@ -169,13 +196,16 @@ class Store {
   absl::StatusOr<NamespaceInfo> GetNamespace(const std::string& name) const;
 
   // Longest cached prefix of `keys`. With pin, the prefix is pinned under a
-  // read lease (released by EndLease or its TTL).
+  // read lease (released by EndLease, a BeginRead that takes it over, or
+  // its TTL).
   absl::StatusOr<LookupResult> Lookup(const std::string& ns,
                                       absl::Span<const std::string> keys,
                                       bool pin, absl::Duration ttl);
 
-  // Reserves pages for every block not stored yet. RESOURCE_EXHAUSTED when
-  // the pool cannot hold them even after evicting every evictable block.
+  // Reserves pages for every block not stored yet, evicting as needed.
+  // RESOURCE_EXHAUSTED when the pool cannot hold them even after evicting
+  // every block that eviction may take (nothing is evicted when even all
+  // unpinned blocks would not make room).
   absl::StatusOr<BeginWriteResult> BeginWrite(const std::string& ns,
                                               std::vector<BlockRef> blocks,
                                               absl::Duration ttl);
@@ -191,7 +221,7 @@ class Store {
   absl::Status AbortWrite(uint64_t write_id);
 
   // Pins the blocks of `keys` (all must be stored: NOT_FOUND names the first
-  // missing key), verifies and copies them out. With keep_lease == false the
+  // missing one), verifies and copies them out. With keep_lease == false the
   // pins are released before returning and lease_id is 0.
   absl::StatusOr<ReadResult> BeginRead(const std::string& ns,
                                        absl::Span<const std::string> keys,
@@ -208,6 +238,11 @@ class Store {
   // Ends every lease whose deadline is before `now`; returns how many.
   int ExpireLeases(absl::Time now);
 
+  // Background work, called periodically: expires leases, evicts down to the
+  // low watermark when above the high one, and re-encodes blocks that left
+  // KIVI's residual window. Returns the number of blocks re-encoded.
+  int RunMaintenance(absl::Time now);
+
   // Test hook: flips one byte of a stored block's payload (or of its
   // header) in place, to show that reads detect corruption. NOT_FOUND when
   // the block is absent.
@@ -217,62 +252,87 @@ class Store {
  private:
   struct Namespace;
   struct Entry;
+  struct Shard;
   struct ReadLease;
   struct WriteLease;
+  struct ParentLink {
+    uint32_t ns_id = 0;
+    std::string parent_key;
+    uint64_t parent_serial = 0;  // 0: no link to undo
+  };
+  struct ReencodeJob {
+    uint32_t ns_id;
+    std::string key;
+    uint64_t serial;
+  };
 
   Store(const StoreOptions& options, std::unique_ptr<Arena> arena);
 
-  absl::StatusOr<Namespace*> FindNamespace(const std::string& name) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  Entry* FindEntry(uint32_t ns_id, const std::string& key) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Touch(Entry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void UpdateEvictable(Entry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool ReservePages(uint32_t count, std::vector<uint32_t>* pages)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool EvictOne() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Removes a block from the index and accounting; frees its pages now or,
-  // when pinned, when the last pin goes.
-  void RemoveEntry(Entry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Unpin(Entry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReleaseReadLease(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReleaseWriteLease(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  uint64_t NewLeaseId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Namespace*> FindNamespace(const std::string& name) const;
+  Shard& ShardFor(const std::string& index_key) const;
+
+  // Shard-level helpers; each requires the shard's mutex.
+  void Touch(Shard& shard, Entry* entry);
+  void UpdateEvictable(Shard& shard, Entry* entry);
+  void Pin(Shard& shard, Entry* entry);
+  // Removes a block from its shard and the accounting; frees its pages now
+  // or, when pinned, at the last unpin. The caller undoes the returned
+  // parent link after releasing the shard mutex.
+  ParentLink RemoveEntry(Shard& shard, Entry* entry);
+  void Unpin(Shard& shard, Entry* entry);
+
+  void UnlinkParent(const ParentLink& link);
+  void UnpinAll(const std::vector<Entry*>& entries);
+  // Evicts the least recently used evictable block; false when none.
+  bool EvictOne(std::atomic<uint64_t>* counter);
+  bool ReservePages(uint32_t count, std::vector<uint32_t>* pages);
+  void ReleasePages(absl::Span<const uint32_t> pages);
+  void ReleaseReadLease(uint64_t id);
+  void ReleaseWriteLease(uint64_t id);
+  uint64_t NewLeaseId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_mu_);
   absl::Time LeaseDeadline(absl::Duration ttl) const;
-  uint64_t StoredBytesFor(const Namespace& ns) const;
-  // The header of the block whose first page is `first_page`: headers live
-  // in a slab at the start of the arena, one slot per page, so a block's
-  // payload fills whole pages without a header spilling into one more.
-  BlockHeader* HeaderSlot(uint32_t first_page) const;
+  void AccountAdd(const Entry& entry, int sign);
+  void QueueWindowExit(const Namespace& ns, const BlockRef& newest);
+  bool Reencode(const ReencodeJob& job);
+  absl::Status WriteHeader(uint32_t first_page, const BlockHeader& header);
+  absl::Status ReadHeader(uint32_t first_page, BlockHeader* header) const;
 
   const StoreOptions options_;
   const std::unique_ptr<Arena> arena_;
-  BlockHeader* header_slab_;
+  const uint64_t header_slab_bytes_;
   QuantizeObserver quantize_observer_;
 
-  mutable Mutex mu_;
-  PagePool pool_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::unique_ptr<Namespace>> namespaces_ ABSL_GUARDED_BY(mu_);
-  // Key: 4-byte namespace id followed by the block key.
-  absl::flat_hash_map<std::string, std::unique_ptr<Entry>> index_
-      ABSL_GUARDED_BY(mu_);
-  // Removed from the index while pinned; freed at the last unpin.
-  absl::flat_hash_map<Entry*, std::unique_ptr<Entry>> zombies_
-      ABSL_GUARDED_BY(mu_);
-  // Evictable blocks by (last access tick, entry): the front goes first.
-  std::set<std::pair<uint64_t, Entry*>> evictable_ ABSL_GUARDED_BY(mu_);
+  mutable Mutex ns_mu_;
+  std::vector<std::unique_ptr<Namespace>> namespaces_ ABSL_GUARDED_BY(ns_mu_);
+
+  mutable Mutex pool_mu_;
+  PagePool pool_ ABSL_GUARDED_BY(pool_mu_);
+
+  std::unique_ptr<Shard[]> shards_;
+
+  mutable Mutex lease_mu_;
   absl::flat_hash_map<uint64_t, std::unique_ptr<ReadLease>> read_leases_
-      ABSL_GUARDED_BY(mu_);
+      ABSL_GUARDED_BY(lease_mu_);
   absl::flat_hash_map<uint64_t, std::unique_ptr<WriteLease>> write_leases_
-      ABSL_GUARDED_BY(mu_);
-  uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::BitGen rng_ ABSL_GUARDED_BY(mu_);
-  StoreStats counters_ ABSL_GUARDED_BY(mu_);  // the cumulative fields
-  std::array<CodecStats, kNumCodecs> per_codec_ ABSL_GUARDED_BY(mu_){};
-  uint64_t used_pages_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t used_payload_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t reserved_pages_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t pinned_pages_ ABSL_GUARDED_BY(mu_) = 0;
+      ABSL_GUARDED_BY(lease_mu_);
+  absl::BitGen rng_ ABSL_GUARDED_BY(lease_mu_);
+
+  mutable Mutex reencode_mu_;
+  std::deque<ReencodeJob> reencode_queue_ ABSL_GUARDED_BY(reencode_mu_);
+
+  std::atomic<uint64_t> tick_{0};
+  std::atomic<uint64_t> serial_{0};
+  struct AtomicCodecStats {
+    std::atomic<uint64_t> blocks{0}, tokens{0}, stored_bytes{0},
+        logical_bytes{0};
+  };
+  std::array<AtomicCodecStats, kNumCodecs> per_codec_;
+  std::atomic<uint64_t> used_pages_{0}, used_payload_bytes_{0},
+      reserved_pages_{0}, pinned_pages_{0};
+  std::atomic<uint64_t> evictions_capacity_{0}, evictions_watermark_{0},
+      evictions_data_loss_{0}, deleted_{0}, data_loss_events_{0},
+      lookup_hits_{0}, lookup_misses_{0}, expired_leases_{0},
+      reencoded_blocks_{0};
 };
 
 }  // namespace kvcache::store

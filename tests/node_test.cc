@@ -52,7 +52,10 @@ class NodeTest : public ::testing::Test {
     stub_ = v1::KvCache::NewStub(channel_);
   }
 
-  NamespaceSpec Spec(const std::string& name, Codec codec) {
+  // KIVI's residual window is off unless asked for, so that every block
+  // is stored with the namespace codec at once.
+  NamespaceSpec Spec(const std::string& name, Codec codec,
+                     uint32_t residual_tokens = 0) {
     NamespaceSpec spec;
     spec.name = name;
     spec.model = "test";
@@ -60,6 +63,7 @@ class NodeTest : public ::testing::Test {
     CodecPolicy policy;
     policy.codec = codec;
     spec.policy = policy;
+    spec.residual_tokens = residual_tokens;
     return spec;
   }
 
@@ -151,6 +155,35 @@ TEST_F(NodeTest, PutLookupGetAcrossCodecsAndFormats) {
     EXPECT_EQ(stats->codecs[std::string(kernels::CodecName(codec))].blocks, 5u);
   }
   EXPECT_EQ(stats->namespaces.size(), 5u);
+}
+
+TEST_F(NodeTest, KiviResidualWindowReencodesInTheBackground) {
+  // 64 tokens of window = the 2 newest blocks of a chain stay fp16.
+  ASSERT_TRUE(client_->RegisterNamespace(Spec("kivi", Codec::kKivi4, 64)).ok());
+  ASSERT_TRUE(PutChain("kivi", 0, 5).ok());
+  absl::Time deadline = absl::Now() + absl::Seconds(10);
+  absl::StatusOr<NodeStats> stats;
+  do {
+    absl::SleepFor(absl::Milliseconds(50));
+    stats = client_->Stats();
+    ASSERT_TRUE(stats.ok());
+  } while (stats->codecs["kivi4"].blocks < 3 && absl::Now() < deadline);
+  EXPECT_EQ(stats->codecs["kivi4"].blocks, 3u);
+  EXPECT_EQ(stats->codecs["none"].blocks, 2u);
+  auto raw = client_->Get("kivi", Keys(0, 5), ReadFormat::kRaw);
+  auto fp16 = client_->Get("kivi", Keys(0, 5), ReadFormat::kFp16);
+  ASSERT_TRUE(raw.ok() && fp16.ok());
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(raw->blocks[i].codec, i < 3 ? Codec::kKivi4 : Codec::kNone);
+    std::vector<uint16_t> decoded(data_[i].size());
+    ASSERT_TRUE(DecodeRaw(*raw, raw->blocks[i], absl::MakeSpan(decoded)).ok());
+    EXPECT_EQ(std::memcmp(fp16->blocks[i].bytes.data(), decoded.data(),
+                          decoded.size() * 2),
+              0);
+    if (i >= 3) {
+      EXPECT_EQ(decoded, data_[i]) << "fp16 in the window";
+    }
+  }
 }
 
 TEST_F(NodeTest, LookupPinIsTakenOverByGet) {

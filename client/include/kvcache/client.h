@@ -53,6 +53,10 @@ struct NamespaceSpec {
   BlockShape shape;
   // Unset: the node's default codec.
   std::optional<CodecPolicy> policy;
+  // KIVI codecs: per chain, the blocks holding the most recent this many
+  // tokens stay fp16 until a later block pushes them out (KIVI's residual).
+  // Unset: 128. 0: off.
+  std::optional<uint32_t> residual_tokens;
 };
 
 struct NamespaceInfo {
@@ -127,7 +131,9 @@ struct NodeStats {
 // RESOURCE_EXHAUSTED; nullopt for other statuses.
 std::optional<int> RetryAfterMs(const absl::Status& status);
 
-// Dequantizes one raw block of `result` into fp16 on the client's CPU.
+// Dequantizes one raw block of `result` into fp16 on the client's CPU. A
+// block still in KIVI's residual window (block.codec == Codec::kNone in a
+// KIVI namespace) is plain fp16 and is copied.
 absl::Status DecodeRaw(const GetResult& result, const BlockData& block,
                        absl::Span<uint16_t> fp16_out);
 

@@ -1,0 +1,280 @@
+// The SIMD path against the scalar reference, byte for byte, on every
+// Highway target this CPU supports.
+#include "kernels/codec_simd.h"
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/codec.h"
+#include "kernels/codec_internal.h"
+#include "kernels/codec_test_util.h"
+#include "kernels/half.h"
+
+namespace kvcache::kernels {
+namespace {
+
+using internal::ActiveSimdTarget;
+using internal::ForceSimdTargetForTest;
+using internal::SimdTargetName;
+using internal::SimdTargets;
+using testutil::AllData;
+using testutil::Data;
+using testutil::Describe;
+using testutil::MakeData;
+using testutil::Policies;
+using testutil::ShapeCase;
+using testutil::Shapes;
+
+class SimdTest : public ::testing::TestWithParam<int64_t> {
+ protected:
+  void SetUp() override {
+    ForceSimdTargetForTest(GetParam());
+    ASSERT_EQ(ActiveSimdTarget(), SimdTargetName(GetParam()));
+  }
+  void TearDown() override { ForceSimdTargetForTest(0); }
+};
+
+// The reference result of each case is computed once and compared with the
+// SIMD result on every target.
+TEST(SimdAllTargetsTest, EncodeAndDecodeMatchReferenceBitForBit) {
+  const std::vector<int64_t> targets = SimdTargets();
+  ASSERT_FALSE(targets.empty());
+  std::mt19937 rng(1234);
+  size_t blocks = 0;
+  for (const ShapeCase& sc : Shapes()) {
+    for (const CodecPolicy& p : Policies(sc.shape, sc.group, rng)) {
+      if (!ValidatePolicy(sc.shape, p).ok()) continue;
+      for (Data kind : AllData()) {
+        const std::vector<uint16_t> in =
+            MakeData(sc.shape, kind, static_cast<uint32_t>(rng()));
+        const size_t bytes = EncodedBlockBytes(sc.shape, p);
+        std::vector<uint8_t> ref(bytes, 0x5A);
+        ASSERT_TRUE(
+            EncodeBlockReference(sc.shape, p, in, absl::MakeSpan(ref)).ok());
+        std::vector<uint16_t> out_ref(in.size(), 1);
+        ASSERT_TRUE(
+            DecodeBlockReference(sc.shape, p, ref, absl::MakeSpan(out_ref))
+                .ok());
+        for (int64_t target : targets) {
+          ForceSimdTargetForTest(target);
+          ASSERT_EQ(ActiveSimdTarget(), SimdTargetName(target));
+          std::vector<uint8_t> simd(bytes, 0xA5);
+          ASSERT_TRUE(EncodeBlock(sc.shape, p, in, absl::MakeSpan(simd)).ok());
+          for (size_t i = 0; i < bytes; ++i) {
+            ASSERT_EQ(simd[i], ref[i])
+                << SimdTargetName(target) << " encode byte " << i << " "
+                << Describe(sc.shape, p) << " data " << static_cast<int>(kind);
+          }
+          std::vector<uint16_t> out_simd(in.size(), 2);
+          ASSERT_TRUE(
+              DecodeBlock(sc.shape, p, ref, absl::MakeSpan(out_simd)).ok());
+          for (size_t i = 0; i < in.size(); ++i) {
+            ASSERT_EQ(out_simd[i], out_ref[i])
+                << SimdTargetName(target) << " decode value " << i << " "
+                << Describe(sc.shape, p) << " data " << static_cast<int>(kind);
+          }
+        }
+        ForceSimdTargetForTest(0);
+        ++blocks;
+      }
+    }
+  }
+  EXPECT_GT(blocks, size_t{500});
+}
+
+// Decoding arbitrary bytes (every fp8 code including NaN and infinity codes,
+// every KIVI code) must agree too. KIVI metadata is kept finite: the payload
+// of a NaN made from two NaN operands is not fixed by the source code.
+TEST_P(SimdTest, DecodeOfArbitraryBytesMatchesReference) {
+  std::mt19937 rng(99);
+  for (const ShapeCase& sc : Shapes()) {
+    for (const CodecPolicy& p : Policies(sc.shape, sc.group, rng)) {
+      if (!ValidatePolicy(sc.shape, p).ok()) continue;
+      std::vector<uint8_t> enc(EncodedBlockBytes(sc.shape, p));
+      for (auto& b : enc) b = static_cast<uint8_t>(rng());
+      const bool kivi = p.codec == Codec::kKivi2 || p.codec == Codec::kKivi4;
+      const bool fp8 = p.codec == Codec::kFp8E4M3 || p.codec == Codec::kFp8E5M2;
+      // Walk the sections to make metadata sensible.
+      size_t off = 0;
+      const size_t n = size_t{sc.shape.tokens_per_block} *
+                       sc.shape.num_kv_heads * sc.shape.head_dim;
+      for (uint32_t l = 0; l < sc.shape.num_layers; ++l) {
+        const bool skip = !p.fp16_layers.empty() && p.fp16_layers[0] == l;
+        for (int t = 0; t < 2; ++t) {
+          if (skip || p.codec == Codec::kNone) {
+            off += 2 * n;
+            continue;
+          }
+          if (fp8) {
+            if (p.scale_mode == ScaleMode::kDynamic) {
+              for (uint32_t h = 0; h < sc.shape.num_kv_heads; ++h) {
+                const float s = std::ldexp(1.0f + (rng() % 1000) / 1000.0f,
+                                           static_cast<int>(rng() % 60) - 40);
+                internal::StoreLe32(&enc[off + 4 * h], FloatBits(s));
+              }
+              off += 4 * sc.shape.num_kv_heads;
+            }
+            off += n;
+          } else if (kivi) {
+            const size_t groups = n / p.kivi_group_size;
+            for (size_t g = 0; g < 2 * groups; ++g) {
+              uint16_t h;
+              do {
+                h = static_cast<uint16_t>(rng());
+              } while (HalfIsNonFinite(h));
+              internal::StoreLe16(&enc[off + 2 * g], h);
+            }
+            const uint32_t b = p.codec == Codec::kKivi2 ? 2 : 4;
+            off += 4 * groups + (n * b + 7) / 8;
+          }
+        }
+      }
+      ASSERT_EQ(off, enc.size());
+      std::vector<uint16_t> out_ref(Fp16BlockBytes(sc.shape) / 2, 1);
+      std::vector<uint16_t> out_simd(out_ref.size(), 2);
+      ASSERT_TRUE(
+          DecodeBlockReference(sc.shape, p, enc, absl::MakeSpan(out_ref)).ok());
+      ASSERT_TRUE(DecodeBlock(sc.shape, p, enc, absl::MakeSpan(out_simd)).ok());
+      for (size_t i = 0; i < out_ref.size(); ++i) {
+        ASSERT_EQ(out_simd[i], out_ref[i])
+            << "value " << i << " " << Describe(sc.shape, p);
+      }
+    }
+  }
+}
+
+TEST_P(SimdTest, FindsTheFirstNonFiniteValue) {
+  std::mt19937 rng(5);
+  for (size_t n : {0, 1, 7, 8, 31, 64, 65, 1000, 4099}) {
+    std::vector<uint16_t> v(n);
+    for (auto& x : v) x = static_cast<uint16_t>(rng() % 0x7C00);
+    EXPECT_EQ(internal::FindNonFiniteHalfSimd(v.data(), n), n);
+    for (size_t trial = 0; trial < 20 && n > 0; ++trial) {
+      std::vector<uint16_t> w = v;
+      const size_t a = rng() % n, b = rng() % n;
+      w[a] = (rng() & 1) ? 0x7C00 : 0xFE01;
+      w[b] = 0xFC00;
+      EXPECT_EQ(internal::FindNonFiniteHalfSimd(w.data(), n), std::min(a, b));
+    }
+  }
+}
+
+// Every (token group, channel) KIVI key group and every fp8 head of a large
+// random block, across the finite fp16 range.
+TEST_P(SimdTest, LargeRandomBlocks) {
+  const BlockShape shape{4, 8, 128, 64};
+  std::mt19937 rng(77);
+  for (Data kind : {Data::kGaussian, Data::kRandomBits}) {
+    const std::vector<uint16_t> in = MakeData(shape, kind, 31);
+    for (Codec c : kAllCodecs) {
+      CodecPolicy p;
+      p.codec = c;
+      const size_t bytes = EncodedBlockBytes(shape, p);
+      std::vector<uint8_t> ref(bytes), simd(bytes);
+      ASSERT_TRUE(EncodeBlockReference(shape, p, in, absl::MakeSpan(ref)).ok());
+      ASSERT_TRUE(EncodeBlock(shape, p, in, absl::MakeSpan(simd)).ok());
+      ASSERT_TRUE(ref == simd) << CodecName(c);
+      std::vector<uint16_t> a(in.size()), b(in.size());
+      ASSERT_TRUE(DecodeBlockReference(shape, p, ref, absl::MakeSpan(a)).ok());
+      ASSERT_TRUE(DecodeBlock(shape, p, ref, absl::MakeSpan(b)).ok());
+      ASSERT_TRUE(a == b) << CodecName(c);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllTargets, SimdTest,
+                         ::testing::ValuesIn(SimdTargets()),
+                         [](const ::testing::TestParamInfo<int64_t>& info) {
+                           return SimdTargetName(info.param);
+                         });
+
+TEST(SimdTargetsTest, DispatchUsesTheBestTarget) {
+  const std::vector<int64_t> targets = SimdTargets();
+  ASSERT_FALSE(targets.empty());
+  EXPECT_EQ(ActiveSimdTarget(), SimdTargetName(targets.front()));
+}
+
+}  // namespace
+}  // namespace kvcache::kernels
+
+namespace kvcache::kernels {
+namespace {
+
+// Significands in [1, 2) of the fp16 values: 1 + k/1024.
+std::vector<float> HalfSignificands() {
+  std::vector<float> v;
+  for (int k = 0; k < 1024; ++k) v.push_back(1.0f + k / 1024.0f);
+  return v;
+}
+
+std::vector<float> RandomSignificands(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<float> v = {1.0f, std::nextafter(2.0f, 1.0f),
+                          std::nextafter(1.0f, 2.0f), 1.5f, 1.75f};
+  while (v.size() < n) v.push_back(FloatFromBits(0x3F800000u | (rng() >> 9)));
+  return v;
+}
+
+// The SIMD division (an FMA correction step on targets with FMA) against
+// IEEE division for the two ways the codecs divide: an fp16 dividend by any
+// fp32 scale (fp8), any fp32 dividend by an fp16 scale (KIVI). The sequence
+// is scale invariant, so significand pairs are what matters; the exhaustive
+// version of this test (below, disabled: about a minute) covers all of them.
+TEST(SimdDivisionTest, SampledSignificandPairsAndRanges) {
+  const std::vector<float> halves = HalfSignificands();
+  const std::vector<float> floats = RandomSignificands(1 << 14, 3);
+  std::vector<float> all_halves;  // every finite nonzero fp16 value
+  for (uint32_t h = 1; h < 0x7C00; ++h) all_halves.push_back(HalfToFloat(h));
+  std::mt19937 rng(8);
+  std::vector<float> scales;  // across the range the fp8 path uses
+  for (int i = 0; i < 300; ++i) {
+    scales.push_back(std::ldexp(1.0f + (rng() >> 9) * 0x1p-23f,
+                                static_cast<int>(rng() % 129) - 64));
+  }
+  for (int64_t target : SimdTargets()) {
+    ForceSimdTargetForTest(target);
+    EXPECT_EQ(internal::DivisionMismatches(halves.data(), halves.size(),
+                                           floats.data(), floats.size()),
+              0u)
+        << SimdTargetName(target);
+    EXPECT_EQ(internal::DivisionMismatches(floats.data(), floats.size(),
+                                           halves.data(), halves.size()),
+              0u)
+        << SimdTargetName(target);
+    EXPECT_EQ(internal::DivisionMismatches(all_halves.data(), all_halves.size(),
+                                           scales.data(), scales.size()),
+              0u)
+        << SimdTargetName(target);
+  }
+  ForceSimdTargetForTest(0);
+}
+
+// Every pair: 2^23 fp32 significands x 2^10 fp16 significands, both ways.
+// Run with --gtest_also_run_disabled_tests.
+TEST(SimdDivisionTest, DISABLED_ExhaustiveSignificandPairs) {
+  const std::vector<float> halves = HalfSignificands();
+  std::vector<float> floats(1u << 23);
+  for (uint32_t m = 0; m < (1u << 23); ++m) {
+    floats[m] = FloatFromBits(0x3F800000u | m);
+  }
+  for (int64_t target : SimdTargets()) {
+    ForceSimdTargetForTest(target);
+    EXPECT_EQ(internal::DivisionMismatches(halves.data(), halves.size(),
+                                           floats.data(), floats.size()),
+              0u)
+        << SimdTargetName(target);
+    EXPECT_EQ(internal::DivisionMismatches(floats.data(), floats.size(),
+                                           halves.data(), halves.size()),
+              0u)
+        << SimdTargetName(target);
+  }
+  ForceSimdTargetForTest(0);
+}
+
+}  // namespace
+}  // namespace kvcache::kernels

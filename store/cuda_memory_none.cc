@@ -1,0 +1,24 @@
+// The CUDA edge of a build without CUDA: no device, nothing to pin.
+#include "store/cuda_memory.h"
+
+namespace kvcache::store {
+namespace internal {
+
+absl::StatusOr<std::unique_ptr<Arena>> CreateDeviceArena(int device,
+                                                         uint64_t bytes) {
+  return absl::FailedPreconditionError(
+      "this kvcache-node was built without CUDA (KVCACHE_CUDA=OFF or no "
+      "nvcc): no GPU memory tier");
+}
+
+bool PinHostMemory(void* base, uint64_t bytes) { return false; }
+void UnpinHostMemory(void* base) {}
+
+}  // namespace internal
+
+int CudaDeviceCount(std::string* why) {
+  *why = "built without CUDA";
+  return 0;
+}
+
+}  // namespace kvcache::store
