@@ -1,7 +1,6 @@
 #include "store/page_pool.h"
 
 #include <algorithm>
-#include <cstring>
 
 namespace kvcache::store {
 
@@ -11,51 +10,77 @@ PagePool::PagePool(Arena* arena, uint64_t offset, uint64_t bytes,
       offset_(offset),
       page_size_(page_size),
       num_pages_(static_cast<uint32_t>(
-          std::min<uint64_t>(bytes / page_size, UINT32_MAX))) {
+          std::min<uint64_t>(bytes / page_size, UINT32_MAX - 1))),
+      next_(num_pages_, 0) {
   free_.reserve(num_pages_);
   for (uint32_t i = num_pages_; i > 0; --i) free_.push_back(i - 1);
 }
 
-bool PagePool::Allocate(uint32_t count, std::vector<uint32_t>* out) {
-  if (count > free_.size()) return false;
-  // Reversed, so a fresh pool hands out ascending runs of pages.
-  out->insert(out->end(), free_.rbegin(), free_.rbegin() + count);
-  free_.resize(free_.size() - count);
+bool PagePool::Allocate(uint32_t count, PageList* out) {
+  if (count == 0 || count > free_.size()) return false;
+  // Pop `count` pages; link them in pop order (ascending on a fresh pool).
+  uint32_t first = free_.back();
+  uint32_t prev = first;
+  free_.pop_back();
+  for (uint32_t i = 1; i < count; ++i) {
+    uint32_t page = free_.back();
+    free_.pop_back();
+    next_[prev] = page;
+    prev = page;
+  }
+  *out = {first, count};
   return true;
 }
 
-void PagePool::Release(absl::Span<const uint32_t> pages) {
-  free_.insert(free_.end(), pages.begin(), pages.end());
+void PagePool::Release(const PageList& pages) {
+  // Push in reverse list order, so a re-allocation pops them in list order.
+  uint32_t stack_top = static_cast<uint32_t>(free_.size());
+  uint32_t page = pages.first;
+  for (uint32_t i = 0; i < pages.count; ++i) {
+    free_.push_back(page);
+    page = next_[page];
+  }
+  std::reverse(free_.begin() + stack_top, free_.end());
 }
 
-absl::Status PagePool::Scatter(absl::Span<const uint32_t> pages,
+absl::Status PagePool::Scatter(const PageList& pages,
                                absl::Span<const uint8_t> bytes) const {
   size_t done = 0;
-  for (size_t i = 0; i < pages.size() && done < bytes.size();) {
-    // Runs of consecutive pages move in one copy.
-    size_t run = 1;
-    while (i + run < pages.size() && pages[i + run] == pages[i] + run) ++run;
-    size_t n = std::min<size_t>(run * page_size_, bytes.size() - done);
-    absl::Status s =
-        arena_->Write(PageOffset(pages[i]), bytes.data() + done, n);
+  uint32_t page = pages.first;
+  for (uint32_t i = 0; i < pages.count && done < bytes.size();) {
+    uint32_t run = 1, last = page;
+    while (i + run < pages.count && next_[last] == last + 1) {
+      last = next_[last];
+      ++run;
+    }
+    size_t n =
+        std::min<size_t>(uint64_t{run} * page_size_, bytes.size() - done);
+    absl::Status s = arena_->Write(PageOffset(page), bytes.data() + done, n);
     if (!s.ok()) return s;
     done += n;
     i += run;
+    page = next_[last];
   }
   return absl::OkStatus();
 }
 
-absl::Status PagePool::Gather(absl::Span<const uint32_t> pages,
+absl::Status PagePool::Gather(const PageList& pages,
                               absl::Span<uint8_t> bytes) const {
   size_t done = 0;
-  for (size_t i = 0; i < pages.size() && done < bytes.size();) {
-    size_t run = 1;
-    while (i + run < pages.size() && pages[i + run] == pages[i] + run) ++run;
-    size_t n = std::min<size_t>(run * page_size_, bytes.size() - done);
-    absl::Status s = arena_->Read(PageOffset(pages[i]), bytes.data() + done, n);
+  uint32_t page = pages.first;
+  for (uint32_t i = 0; i < pages.count && done < bytes.size();) {
+    uint32_t run = 1, last = page;
+    while (i + run < pages.count && next_[last] == last + 1) {
+      last = next_[last];
+      ++run;
+    }
+    size_t n =
+        std::min<size_t>(uint64_t{run} * page_size_, bytes.size() - done);
+    absl::Status s = arena_->Read(PageOffset(page), bytes.data() + done, n);
     if (!s.ok()) return s;
     done += n;
     i += run;
+    page = next_[last];
   }
   return absl::OkStatus();
 }

@@ -1,13 +1,18 @@
 // PagePool: fixed-size pages carved out of an Arena.
 //
 // Invariants: every page index in [0, num_pages) is either on the free stack
-// or held by exactly one owner (a stored block or a write reservation).
-// Allocation and release are O(pages) with O(1) per page. A block of any
-// size takes ceil(bytes / page_size) pages that need not be contiguous, so
+// or held by exactly one owner (a stored block, a write reservation or a
+// re-encode). A block of any size takes ceil(bytes / page_size) pages that
+// need not be contiguous, linked first to last through next_ (4 bytes of
+// pool metadata per page), so an owner needs only (first page, count) and
 // blocks of different codecs and sizes share one pool without external
-// fragmentation; the unused tail of the last page is the internal
-// fragmentation, which the store accounts for.
-// Not thread-safe: the Store serializes access.
+// fragmentation. The unused tail of a block's last page is its internal
+// fragmentation, which the store accounts for. Allocation and release cost
+// O(1) per page; a fresh pool hands out ascending runs, which copy in one go.
+//
+// Thread safety: Allocate and Release need external serialization (the
+// Store's pool mutex). Scatter and Gather may run concurrently on pages that
+// the caller owns.
 #ifndef KVCACHE_STORE_PAGE_POOL_H_
 #define KVCACHE_STORE_PAGE_POOL_H_
 
@@ -19,6 +24,12 @@
 #include "store/arena.h"
 
 namespace kvcache::store {
+
+// A run of pages owned together: `count` pages linked from `first`.
+struct PageList {
+  uint32_t first = 0;
+  uint32_t count = 0;
+};
 
 class PagePool {
  public:
@@ -35,30 +46,29 @@ class PagePool {
     return static_cast<uint32_t>((bytes + page_size_ - 1) / page_size_);
   }
 
-  // Appends `count` pages to `out` and returns true, or returns false and
-  // leaves both the pool and `out` unchanged.
-  bool Allocate(uint32_t count, std::vector<uint32_t>* out);
-  void Release(absl::Span<const uint32_t> pages);
+  // Takes `count` (> 0) pages into *out and returns true, or returns false
+  // and changes nothing.
+  bool Allocate(uint32_t count, PageList* out);
+  void Release(const PageList& pages);
 
   // Arena offset of a page's first byte.
   uint64_t PageOffset(uint32_t page) const {
     return offset_ + static_cast<uint64_t>(page) * page_size_;
   }
 
-  // Copy `bytes` into/out of the page list, page by page (one copy per run
-  // of consecutive pages). The pages must hold at least bytes.size() bytes.
-  // Safe to call concurrently on pages that the caller owns.
-  absl::Status Scatter(absl::Span<const uint32_t> pages,
+  // Copy `bytes` into/out of the pages, in list order (one copy per run of
+  // consecutive pages). The pages must hold at least bytes.size() bytes.
+  absl::Status Scatter(const PageList& pages,
                        absl::Span<const uint8_t> bytes) const;
-  absl::Status Gather(absl::Span<const uint32_t> pages,
-                      absl::Span<uint8_t> bytes) const;
+  absl::Status Gather(const PageList& pages, absl::Span<uint8_t> bytes) const;
 
  private:
   Arena* arena_;
   uint64_t offset_;
   uint32_t page_size_;
   uint32_t num_pages_;
-  std::vector<uint32_t> free_;  // a stack: the most recently freed first
+  std::vector<uint32_t> free_;  // a stack: the most recently freed on top
+  std::vector<uint32_t> next_;  // next page of the same owner
 };
 
 }  // namespace kvcache::store

@@ -5,57 +5,149 @@
 #include <limits>
 #include <utility>
 
+#include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "xxhash.h"
 
 namespace kvcache::store {
 
 using kernels::Codec;
 
+namespace {
+
+bool IsKivi(Codec c) { return c == Codec::kKivi2 || c == Codec::kKivi4; }
+size_t CodecIndex(Codec c) { return static_cast<size_t>(c); }
+
+enum EntryFlags : uint8_t {
+  kEvictable = 1,  // in its shard's LRU order
+  kRemoved = 2,    // out of the index; kept while pinned or with children
+  kResidual = 4,   // fp16 in KIVI's residual window
+};
+
+constexpr size_t kSlabChunk = 256;
+static_assert((kNumShards & (kNumShards - 1)) == 0 && kNumShards <= 256,
+              "shards are picked by the top bits of the key hash");
+constexpr int kShardShift = 64 - 4;
+static_assert(kNumShards == 16, "kShardShift assumes 16 shards");
+
+}  // namespace
+
 struct Store::Namespace {
-  uint32_t id = 0;
+  uint16_t id = 0;
   NamespaceInfo info;
   kernels::CodecPolicy residual_policy;  // codec none: KIVI's fp16 window
   uint32_t window_blocks = 0;            // 0: no residual window
   uint32_t pages_per_block = 0;          // encoded with the namespace codec
   uint32_t pages_per_residual_block = 0;
-  uint64_t residual_payload_bytes = 0;
   std::atomic<uint64_t> blocks{0};
   std::atomic<uint64_t> residual_blocks{0};
+
+  Codec codec() const { return info.config.policy.codec; }
 };
 
+// One index record (88 bytes). Lives in its shard's slab; the slot of a
+// freed entry is reused, never returned, so a stale pointer always points
+// at some entry of the same shard and `serial` tells whether it is the one.
 struct Store::Entry {
-  Namespace* ns = nullptr;  // namespaces live as long as the store
-  uint32_t ns_id = 0;
-  uint8_t shard = 0;
-  bool evictable = false;
-  bool removed = false;
-  bool residual = false;  // fp16 in KIVI's window, re-encoded later
-  Codec codec = Codec::kNone;
-  uint32_t tokens = 0;
-  uint32_t children = 0;  // cached blocks linked to this one as parent
+  Entry* parent = nullptr;  // counted in parent->children; free-list link
+  uint64_t parent_serial = 0;
+  uint64_t serial = 0;       // unique per stored block; 0 when free
+  uint64_t last_access = 0;  // recency tick of the last hit
+  uint64_t lru_tick = 0;     // the tick it is filed under in the LRU order
+  PageList pages;
+  uint32_t children = 0;
   uint32_t pins = 0;
-  uint64_t serial = 0;
-  uint64_t last_access = 0;
-  uint64_t payload_bytes = 0;
-  uint64_t logical_bytes = 0;
-  std::string key;
-  std::string parent_key;
-  uint64_t parent_serial = 0;  // the parent this block is counted in
-  std::vector<uint32_t> pages;
+  uint16_t ns_id = 0;
+  uint8_t shard = 0;
+  uint8_t flags = 0;
+  absl::InlinedVector<char, 16> key;
+
+  bool is(EntryFlags f) const { return (flags & f) != 0; }
+  void set(EntryFlags f, bool on) { flags = on ? (flags | f) : (flags & ~f); }
+  absl::string_view key_view() const { return {key.data(), key.size()}; }
 };
+
+namespace {
+
+uint64_t HashKey(uint16_t ns_id, absl::string_view key) {
+  return XXH3_64bits_withSeed(key.data(), key.size(), ns_id);
+}
+
+}  // namespace
 
 struct Store::Shard {
+  struct Hash {
+    using is_transparent = void;
+    size_t operator()(const Entry* e) const {
+      return HashKey(e->ns_id, e->key_view());
+    }
+    size_t operator()(const KeyRef& r) const { return r.hash; }
+  };
+  struct Eq {
+    using is_transparent = void;
+    bool operator()(const Entry* a, const Entry* b) const {
+      return a->ns_id == b->ns_id && a->key_view() == b->key_view();
+    }
+    bool operator()(const Entry* a, const KeyRef& b) const {
+      return a->ns_id == b.ns_id && a->key_view() == b.key;
+    }
+    bool operator()(const KeyRef& a, const Entry* b) const {
+      return (*this)(b, a);
+    }
+  };
+
   Mutex mu;
-  absl::flat_hash_map<std::string, std::unique_ptr<Entry>> index
-      ABSL_GUARDED_BY(mu);
-  // Removed from the index while pinned; freed at the last unpin.
-  absl::flat_hash_map<Entry*, std::unique_ptr<Entry>> zombies
-      ABSL_GUARDED_BY(mu);
-  // Evictable blocks by (last access tick, entry): the front goes first.
-  std::set<std::pair<uint64_t, Entry*>> evictable ABSL_GUARDED_BY(mu);
+  absl::flat_hash_set<Entry*, Hash, Eq> index ABSL_GUARDED_BY(mu);
+  // Evictable entries by (lru_tick, entry); lru_tick may lag last_access.
+  absl::btree_set<std::pair<uint64_t, Entry*>> lru ABSL_GUARDED_BY(mu);
   std::atomic<uint64_t> evictable_pages{0};
+  std::vector<std::unique_ptr<Entry[]>> slab ABSL_GUARDED_BY(mu);
+  Entry* free_entries ABSL_GUARDED_BY(mu) = nullptr;
+  uint8_t id = 0;
+
+  Entry* NewEntry() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (free_entries == nullptr) {
+      slab.push_back(std::make_unique<Entry[]>(kSlabChunk));
+      for (size_t i = 0; i < kSlabChunk; ++i) {
+        slab.back()[i].parent = free_entries;
+        free_entries = &slab.back()[i];
+      }
+    }
+    Entry* e = free_entries;
+    free_entries = e->parent;
+    // Field by field: the key's buffer was already emptied by FreeEntry.
+    e->parent = nullptr;
+    e->parent_serial = e->serial = e->last_access = e->lru_tick = 0;
+    e->pages = {};
+    e->children = e->pins = 0;
+    e->ns_id = 0;
+    e->shard = id;
+    e->flags = 0;
+    e->key.clear();
+    return e;
+  }
+  void FreeEntry(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    e->key.clear();
+    e->key.shrink_to_fit();
+    e->serial = 0;
+    e->flags = 0;
+    e->parent = free_entries;
+    free_entries = e;
+  }
+  // Re-files stale heads until the head's tick is its true last access.
+  void NormalizeLru() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    while (!lru.empty()) {
+      auto head = lru.begin();
+      Entry* e = head->second;
+      if (e->last_access == head->first) return;
+      lru.erase(head);
+      e->lru_tick = e->last_access;
+      lru.insert({e->lru_tick, e});
+    }
+  }
 };
 
 struct Store::ReadLease {
@@ -64,22 +156,15 @@ struct Store::ReadLease {
 };
 
 struct Store::WriteLease {
-  uint32_t ns_id = 0;
+  uint16_t ns_id = 0;
   std::vector<BlockRef> blocks;
   std::vector<bool> present;
-  std::vector<std::vector<uint32_t>> pages;  // per block; empty if present
+  std::vector<PageList> pages;  // per block; count 0 if present
   absl::Time deadline;
   bool committing = false;
 };
 
 namespace {
-
-std::string IndexKey(uint32_t ns_id, absl::string_view key) {
-  std::string k(sizeof(ns_id), '\0');
-  std::memcpy(k.data(), &ns_id, sizeof(ns_id));
-  k.append(key.data(), key.size());
-  return k;
-}
 
 absl::Status ValidateName(absl::string_view name) {
   if (name.empty() || name.size() > 128) {
@@ -118,8 +203,6 @@ absl::Status ValidateKeys(absl::Span<const std::string> keys,
   return absl::OkStatus();
 }
 
-bool IsKivi(Codec c) { return c == Codec::kKivi2 || c == Codec::kKivi4; }
-
 uint64_t Fingerprint(const NamespaceConfig& c) {
   std::string s = absl::StrCat(
       c.name, "|", c.model, "|", c.revision, "|", c.tp_rank, "|",
@@ -137,8 +220,6 @@ uint64_t Fingerprint(const NamespaceConfig& c) {
   append_floats(c.policy.static_v_scales);
   return HashString(s);
 }
-
-size_t CodecIndex(Codec c) { return static_cast<size_t>(c); }
 
 // Bytes at the start of the arena that hold one BlockHeader per page.
 uint64_t HeaderSlabBytes(uint64_t arena_bytes, uint32_t page_size) {
@@ -167,6 +248,10 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Create(
     return absl::InvalidArgumentError(
         "watermarks must satisfy 0 < low <= high");
   }
+  if (options.max_namespaces == 0 || options.max_namespaces > kMaxNamespaces) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max namespaces must be 1 to ", kMaxNamespaces));
+  }
   // The constructor is private: Create is the only way to build a Store.
   return std::unique_ptr<Store>(new Store(options, std::move(arena)));
 }
@@ -175,9 +260,15 @@ Store::Store(const StoreOptions& options, std::unique_ptr<Arena> arena)
     : options_(options),
       arena_(std::move(arena)),
       header_slab_bytes_(HeaderSlabBytes(arena_->size(), options.page_size)),
+      namespaces_(std::make_unique<std::unique_ptr<Namespace>[]>(
+          options.max_namespaces)),
       pool_(arena_.get(), header_slab_bytes_,
             arena_->size() - header_slab_bytes_, options.page_size),
-      shards_(std::make_unique<Shard[]>(kNumShards)) {}
+      shards_(std::make_unique<Shard[]>(kNumShards)) {
+  for (size_t s = 0; s < kNumShards; ++s) {
+    shards_[s].id = static_cast<uint8_t>(s);
+  }
+}
 
 Store::~Store() = default;
 
@@ -196,8 +287,12 @@ absl::Status Store::ReadHeader(uint32_t first_page, BlockHeader* header) const {
                       sizeof(*header));
 }
 
-Store::Shard& Store::ShardFor(const std::string& index_key) const {
-  return shards_[HashString(index_key) % kNumShards];
+Store::KeyRef Store::MakeKeyRef(uint16_t ns_id, absl::string_view key) {
+  return {ns_id, key, HashKey(ns_id, key)};
+}
+
+Store::Shard& Store::ShardOf(const KeyRef& ref) const {
+  return shards_[ref.hash >> kShardShift];
 }
 
 // ---------------------------------------------------------------- namespaces
@@ -218,29 +313,29 @@ absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config) {
   info.config = std::move(config);
 
   MutexLock lock(&ns_mu_);
-  for (const auto& ns : namespaces_) {
-    if (ns->info.config.name != info.config.name) continue;
-    if (ns->info.fingerprint != info.fingerprint) {
+  for (uint32_t i = 0; i < num_namespaces_; ++i) {
+    const Namespace& ns = *namespaces_[i];
+    if (ns.info.config.name != info.config.name) continue;
+    if (ns.info.fingerprint != info.fingerprint) {
       return absl::FailedPreconditionError(absl::StrCat(
           "namespace '", info.config.name,
           "' is registered with a different model, layout or codec policy"));
     }
-    NamespaceInfo existing = ns->info;
+    NamespaceInfo existing = ns.info;
     existing.already_registered = true;
     return existing;
   }
-  if (namespaces_.size() >= options_.max_namespaces) {
+  if (num_namespaces_ >= options_.max_namespaces) {
     return absl::ResourceExhaustedError(
         absl::StrCat("the node holds its limit of ", options_.max_namespaces,
                      " namespaces"));
   }
   auto ns = std::make_unique<Namespace>();
-  ns->id = static_cast<uint32_t>(namespaces_.size());
+  ns->id = static_cast<uint16_t>(num_namespaces_);
   ns->info = info;
   const uint32_t tokens = info.config.shape.tokens_per_block;
   ns->window_blocks = (info.config.residual_tokens + tokens - 1) / tokens;
   ns->residual_policy.codec = Codec::kNone;
-  ns->residual_payload_bytes = info.fp16_block_bytes;
   {
     MutexLock pool_lock(&pool_mu_);
     ns->pages_per_block = pool_.PagesFor(info.encoded_block_bytes);
@@ -253,7 +348,7 @@ absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config) {
           pool_.page_size(), " bytes) is larger than the whole pool"));
     }
   }
-  namespaces_.push_back(std::move(ns));
+  namespaces_[num_namespaces_++] = std::move(ns);
   return info;
 }
 
@@ -267,36 +362,45 @@ absl::StatusOr<NamespaceInfo> Store::GetNamespace(
 absl::StatusOr<Store::Namespace*> Store::FindNamespace(
     const std::string& name) const {
   MutexLock lock(&ns_mu_);
-  for (const auto& ns : namespaces_) {
-    if (ns->info.config.name == name) return ns.get();
+  for (uint32_t i = 0; i < num_namespaces_; ++i) {
+    if (namespaces_[i]->info.config.name == name) return namespaces_[i].get();
   }
   return absl::NotFoundError(
       absl::StrCat("namespace '", name, "' is not registered"));
 }
 
-// ------------------------------------------------------------ shard helpers
-
-void Store::Touch(Shard& shard, Entry* entry) {
-  if (entry->evictable) shard.evictable.erase({entry->last_access, entry});
-  entry->last_access = ++tick_;
-  if (entry->evictable) shard.evictable.insert({entry->last_access, entry});
+Store::Namespace* Store::NamespaceById(uint16_t id) const {
+  // Slots are written once, under ns_mu_, before any block refers to them;
+  // the mutexes that handed the block to this thread order that write.
+  return namespaces_[id].get();
 }
 
+// ------------------------------------------------------------ shard helpers
+
+Store::Entry* Store::Find(Shard& shard, const KeyRef& ref) {
+  auto it = shard.index.find(ref);
+  return it == shard.index.end() ? nullptr : *it;
+}
+
+void Store::Touch(Entry* entry) { entry->last_access = ++tick_; }
+
 void Store::UpdateEvictable(Shard& shard, Entry* entry) {
-  bool should = !entry->removed && entry->pins == 0 && entry->children == 0;
-  if (should == entry->evictable) return;
+  bool should =
+      !entry->is(kRemoved) && entry->pins == 0 && entry->children == 0;
+  if (should == entry->is(kEvictable)) return;
   if (should) {
-    shard.evictable.insert({entry->last_access, entry});
-    shard.evictable_pages += entry->pages.size();
+    entry->lru_tick = entry->last_access;
+    shard.lru.insert({entry->lru_tick, entry});
+    shard.evictable_pages += entry->pages.count;
   } else {
-    shard.evictable.erase({entry->last_access, entry});
-    shard.evictable_pages -= entry->pages.size();
+    shard.lru.erase({entry->lru_tick, entry});
+    shard.evictable_pages -= entry->pages.count;
   }
-  entry->evictable = should;
+  entry->set(kEvictable, should);
 }
 
 void Store::Pin(Shard& shard, Entry* entry) {
-  if (entry->pins++ == 0) pinned_pages_ += entry->pages.size();
+  if (entry->pins++ == 0) pinned_pages_ += entry->pages.count;
   UpdateEvictable(shard, entry);
 }
 
@@ -308,58 +412,69 @@ void Store::AccountAdd(const Entry& entry, int sign) {
       a -= v;
     }
   };
-  AtomicCodecStats& cs = per_codec_[CodecIndex(entry.codec)];
+  Namespace* ns = NamespaceById(entry.ns_id);
+  const bool residual = entry.is(kResidual);
+  const Codec codec = residual ? Codec::kNone : ns->codec();
+  AtomicCodecStats& cs = per_codec_[CodecIndex(codec)];
   add(cs.blocks, 1);
-  add(cs.tokens, entry.tokens);
-  add(cs.stored_bytes, uint64_t{entry.pages.size()} * options_.page_size);
-  add(cs.logical_bytes, entry.logical_bytes);
-  add(used_pages_, entry.pages.size());
-  add(used_payload_bytes_, entry.payload_bytes);
-  add(entry.ns->blocks, 1);
-  if (entry.residual) add(entry.ns->residual_blocks, 1);
+  add(cs.tokens, ns->info.config.shape.tokens_per_block);
+  add(cs.stored_bytes, uint64_t{entry.pages.count} * options_.page_size);
+  add(cs.logical_bytes, ns->info.fp16_block_bytes);
+  add(used_pages_, entry.pages.count);
+  add(used_payload_bytes_,
+      residual ? ns->info.fp16_block_bytes : ns->info.encoded_block_bytes);
+  add(ns->blocks, 1);
+  if (residual) add(ns->residual_blocks, 1);
 }
 
-Store::ParentLink Store::RemoveEntry(Shard& shard, Entry* entry) {
-  if (entry->evictable) {
-    shard.evictable.erase({entry->last_access, entry});
-    shard.evictable_pages -= entry->pages.size();
-    entry->evictable = false;
+void Store::MaybeFree(Shard& shard, Entry* entry) {
+  if (entry->is(kRemoved) && entry->pins == 0 && entry->children == 0) {
+    shard.FreeEntry(entry);
   }
-  entry->removed = true;
+}
+
+Store::Entry* Store::RemoveEntry(Shard& shard, Entry* entry) {
+  if (entry->is(kEvictable)) {
+    shard.lru.erase({entry->lru_tick, entry});
+    shard.evictable_pages -= entry->pages.count;
+    entry->set(kEvictable, false);
+  }
   AccountAdd(*entry, -1);
-  ParentLink link{entry->ns_id, entry->parent_key, entry->parent_serial};
-  entry->parent_serial = 0;
-  auto node = shard.index.extract(IndexKey(entry->ns_id, entry->key));
-  if (entry->pins > 0) {
-    shard.zombies.emplace(entry, std::move(node.mapped()));
-  } else {
+  shard.index.erase(entry);
+  entry->set(kRemoved, true);
+  Entry* parent = entry->parent;
+  entry->parent = nullptr;
+  if (entry->pins == 0) {
     ReleasePages(entry->pages);
+    entry->pages = {};
   }
-  return link;
+  MaybeFree(shard, entry);
+  return parent;
 }
 
 void Store::Unpin(Shard& shard, Entry* entry) {
   if (--entry->pins > 0) return;
-  pinned_pages_ -= entry->pages.size();
-  if (entry->removed) {
+  pinned_pages_ -= entry->pages.count;
+  if (entry->is(kRemoved)) {
     ReleasePages(entry->pages);
-    shard.zombies.erase(entry);
-    return;
+    entry->pages = {};
+    MaybeFree(shard, entry);
+  } else {
+    UpdateEvictable(shard, entry);
   }
-  UpdateEvictable(shard, entry);
 }
 
-void Store::UnlinkParent(const ParentLink& link) {
-  if (link.parent_serial == 0) return;
-  std::string index_key = IndexKey(link.ns_id, link.parent_key);
-  Shard& shard = ShardFor(index_key);
+void Store::UnlinkParent(Entry* parent) {
+  if (parent == nullptr) return;
+  Shard& shard = shards_[parent->shard];
   MutexLock lock(&shard.mu);
-  auto it = shard.index.find(index_key);
-  if (it == shard.index.end()) return;
-  Entry* parent = it->second.get();
-  if (parent->serial != link.parent_serial || parent->children == 0) return;
+  // The child's count keeps the parent's entry alive until this point.
   --parent->children;
-  UpdateEvictable(shard, parent);
+  if (parent->is(kRemoved)) {
+    MaybeFree(shard, parent);
+  } else {
+    UpdateEvictable(shard, parent);
+  }
 }
 
 void Store::UnpinAll(const std::vector<Entry*>& entries) {
@@ -372,7 +487,8 @@ void Store::UnpinAll(const std::vector<Entry*>& entries) {
 
 // ------------------------------------------------------------- pages, evict
 
-void Store::ReleasePages(absl::Span<const uint32_t> pages) {
+void Store::ReleasePages(const PageList& pages) {
+  if (pages.count == 0) return;
   MutexLock lock(&pool_mu_);
   pool_.Release(pages);
 }
@@ -382,29 +498,31 @@ bool Store::EvictOne(std::atomic<uint64_t>* counter) {
     size_t best = kNumShards;
     uint64_t best_tick = std::numeric_limits<uint64_t>::max();
     for (size_t s = 0; s < kNumShards; ++s) {
-      MutexLock lock(&shards_[s].mu);
-      if (!shards_[s].evictable.empty() &&
-          shards_[s].evictable.begin()->first < best_tick) {
-        best_tick = shards_[s].evictable.begin()->first;
+      Shard& shard = shards_[s];
+      MutexLock lock(&shard.mu);
+      shard.NormalizeLru();
+      if (!shard.lru.empty() && shard.lru.begin()->first < best_tick) {
+        best_tick = shard.lru.begin()->first;
         best = s;
       }
     }
     if (best == kNumShards) return false;
-    ParentLink link;
+    Entry* parent;
     {
       Shard& shard = shards_[best];
       MutexLock lock(&shard.mu);
-      if (shard.evictable.empty()) continue;  // raced: look again
-      link = RemoveEntry(shard, shard.evictable.begin()->second);
+      shard.NormalizeLru();
+      if (shard.lru.empty()) continue;  // raced: look again
+      parent = RemoveEntry(shard, shard.lru.begin()->second);
     }
-    UnlinkParent(link);
+    UnlinkParent(parent);
     ++*counter;
     return true;
   }
   return false;
 }
 
-bool Store::ReservePages(uint32_t count, std::vector<uint32_t>* pages) {
+bool Store::ReservePages(uint32_t count, PageList* pages) {
   while (true) {
     uint64_t free_pages;
     {
@@ -457,9 +575,9 @@ void Store::ReleaseWriteLease(uint64_t id) {
     if (node.empty()) return;
     lease = std::move(node.mapped());
   }
-  for (const auto& pages : lease->pages) {
+  for (const PageList& pages : lease->pages) {
     ReleasePages(pages);
-    reserved_pages_ -= pages.size();
+    reserved_pages_ -= pages.count;
   }
 }
 
@@ -504,14 +622,14 @@ absl::StatusOr<LookupResult> Store::Lookup(const std::string& ns_name,
   absl::StatusOr<Namespace*> ns = FindNamespace(ns_name);
   if (!ns.ok()) return ns.status();
   std::vector<Entry*> found;
+  found.reserve(keys.size());
   for (const std::string& key : keys) {
-    std::string index_key = IndexKey((*ns)->id, key);
-    Shard& shard = ShardFor(index_key);
+    KeyRef ref = MakeKeyRef((*ns)->id, key);
+    Shard& shard = ShardOf(ref);
     MutexLock lock(&shard.mu);
-    auto it = shard.index.find(index_key);
-    if (it == shard.index.end()) break;
-    Entry* entry = it->second.get();
-    Touch(shard, entry);
+    Entry* entry = Find(shard, ref);
+    if (entry == nullptr) break;
+    Touch(entry);
     if (pin) Pin(shard, entry);
     found.push_back(entry);
   }
@@ -567,13 +685,13 @@ absl::StatusOr<BeginWriteResult> Store::BeginWrite(const std::string& ns_name,
   lease->pages.resize(blocks.size());
   uint32_t missing = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
-    std::string index_key = IndexKey(ns->id, blocks[i].key);
-    Shard& shard = ShardFor(index_key);
+    KeyRef ref = MakeKeyRef(ns->id, blocks[i].key);
+    Shard& shard = ShardOf(ref);
     MutexLock lock(&shard.mu);
-    auto it = shard.index.find(index_key);
-    lease->present[i] = it != shard.index.end();
-    if (lease->present[i]) {
-      Touch(shard, it->second.get());
+    Entry* entry = Find(shard, ref);
+    lease->present[i] = entry != nullptr;
+    if (entry != nullptr) {
+      Touch(entry);
     } else {
       ++missing;
     }
@@ -593,21 +711,17 @@ absl::StatusOr<BeginWriteResult> Store::BeginWrite(const std::string& ns_name,
         "%u blocks need %u pages; the whole pool has %u: split the write",
         missing, needed, total_pages));
   }
-  std::vector<uint32_t> pages;
-  if (!ReservePages(static_cast<uint32_t>(needed), &pages)) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "pool full: %u pages needed and the rest is pinned or reserved by "
-        "open leases; retry after leases end",
-        needed));
-  }
-  reserved_pages_ += needed;
-  size_t next = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
     if (lease->present[i]) continue;
-    lease->pages[i].assign(pages.begin() + next,
-                           pages.begin() + next + per_block);
-    next += per_block;
+    if (!ReservePages(per_block, &lease->pages[i])) {
+      for (const PageList& pages : lease->pages) ReleasePages(pages);
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "pool full: %u pages needed and the rest is pinned or reserved by "
+          "open leases; retry after leases end",
+          needed));
+    }
   }
+  reserved_pages_ += needed;
   lease->blocks = std::move(blocks);
   lease->deadline = LeaseDeadline(ttl);
 
@@ -638,13 +752,9 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
     lease = it->second.get();
     lease->committing = true;  // the reaper leaves it alone from now on
   }
-  Namespace* ns;
-  {
-    MutexLock lock(&ns_mu_);
-    ns = namespaces_[lease->ns_id].get();
-  }
   // From here the lease and its pages are ours alone: leases being committed
   // are never expired, and namespaces are never removed.
+  Namespace* ns = NamespaceById(lease->ns_id);
   const NamespaceInfo& info = ns->info;
   auto fail = [&](absl::Status status) {
     ReleaseWriteLease(write_id);
@@ -681,9 +791,8 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
   const kernels::BlockShape& shape = info.config.shape;
   const kernels::CodecPolicy& policy =
       residual ? ns->residual_policy : info.config.policy;
-  const uint64_t payload_bytes =
-      residual ? ns->residual_payload_bytes : info.encoded_block_bytes;
-  std::vector<uint8_t> stored(payload_bytes);
+  std::vector<uint8_t> stored(residual ? info.fp16_block_bytes
+                                       : info.encoded_block_bytes);
   std::vector<uint16_t> aligned;
   for (size_t i = 0; i < by_block.size(); ++i) {
     if (by_block[i] == nullptr) continue;
@@ -711,7 +820,7 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
     BlockHeader header = MakeBlockHeader(shape, policy, info.fingerprint,
                                          lease->blocks[i].key, stored);
     // The pages and their header slot are owned by this lease.
-    absl::Status written = WriteHeader(lease->pages[i][0], header);
+    absl::Status written = WriteHeader(lease->pages[i].first, header);
     if (written.ok()) written = pool_.Scatter(lease->pages[i], stored);
     if (!written.ok()) return fail(written);
   }
@@ -722,60 +831,53 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
       ++result.skipped;
       continue;
     }
-    const BlockRef& ref = lease->blocks[i];
+    const BlockRef& block = lease->blocks[i];
     // Count this block in its cached parent first, so that the parent is
     // never evictable while the child is visible.
+    Entry* parent = nullptr;
     uint64_t parent_serial = 0;
-    if (!ref.parent_key.empty() && ref.parent_key != ref.key) {
-      std::string parent_index = IndexKey(ns->id, ref.parent_key);
-      Shard& shard = ShardFor(parent_index);
+    if (!block.parent_key.empty() && block.parent_key != block.key) {
+      KeyRef ref = MakeKeyRef(ns->id, block.parent_key);
+      Shard& shard = ShardOf(ref);
       MutexLock lock(&shard.mu);
-      auto it = shard.index.find(parent_index);
-      if (it != shard.index.end()) {
-        Entry* parent = it->second.get();
+      parent = Find(shard, ref);
+      if (parent != nullptr) {
         ++parent->children;
         UpdateEvictable(shard, parent);
         parent_serial = parent->serial;
       }
     }
-    bool inserted = false;
+    Entry* inserted = nullptr;
     {
-      std::string index_key = IndexKey(ns->id, ref.key);
-      Shard& shard = ShardFor(index_key);
+      KeyRef ref = MakeKeyRef(ns->id, block.key);
+      Shard& shard = ShardOf(ref);
       MutexLock lock(&shard.mu);
-      if (!shard.index.contains(index_key)) {
-        auto entry = std::make_unique<Entry>();
-        entry->ns = ns;
+      if (Find(shard, ref) == nullptr) {
+        Entry* entry = shard.NewEntry();
         entry->ns_id = ns->id;
-        entry->shard = static_cast<uint8_t>(&shard - shards_.get());
-        entry->residual = residual;
-        entry->codec = policy.codec;
-        entry->tokens = shape.tokens_per_block;
+        entry->key.assign(block.key.begin(), block.key.end());
+        entry->parent = parent;
+        entry->parent_serial = parent_serial;
         entry->serial = ++serial_;
         entry->last_access = ++tick_;
-        entry->payload_bytes = payload_bytes;
-        entry->logical_bytes = info.fp16_block_bytes;
-        entry->key = ref.key;
-        entry->parent_key = ref.parent_key;
-        entry->parent_serial = parent_serial;
-        entry->pages = std::move(lease->pages[i]);
-        lease->pages[i].clear();
-        reserved_pages_ -= entry->pages.size();
-        Entry* raw = entry.get();
-        shard.index.emplace(std::move(index_key), std::move(entry));
-        AccountAdd(*raw, +1);
-        UpdateEvictable(shard, raw);
-        inserted = true;
-        result.stored_bytes += raw->payload_bytes;
+        entry->pages = lease->pages[i];
+        entry->set(kResidual, residual);
+        lease->pages[i] = {};
+        reserved_pages_ -= entry->pages.count;
+        shard.index.insert(entry);
+        AccountAdd(*entry, +1);
+        UpdateEvictable(shard, entry);
+        inserted = entry;
+        result.stored_bytes += stored.size();
       }
     }
-    if (!inserted) {
+    if (inserted == nullptr) {
       ++result.skipped;  // committed by another writer meanwhile
-      UnlinkParent({ns->id, ref.parent_key, parent_serial});
+      UnlinkParent(parent);
       continue;
     }
     ++result.stored;
-    if (residual) QueueWindowExit(*ns, ref);
+    if (residual) QueueWindowExit(*ns, inserted);
   }
   ReleaseWriteLease(write_id);  // returns pages of blocks skipped above
   return result;
@@ -798,68 +900,74 @@ absl::Status Store::AbortWrite(uint64_t write_id) {
 
 // ------------------------------------------------------- KIVI residual window
 
-void Store::QueueWindowExit(const Namespace& ns, const BlockRef& newest) {
+void Store::QueueWindowExit(const Namespace& ns, Entry* newest) {
   // `newest` is at distance 0; distances 0 .. window-1 stay fp16, so the
-  // ancestor at distance `window` has just left the window.
-  std::string key = newest.parent_key;
-  for (uint32_t distance = 1; !key.empty(); ++distance) {
-    std::string index_key = IndexKey(ns.id, key);
-    Shard& shard = ShardFor(index_key);
+  // ancestor at distance `window` has just left the window. Each hop checks
+  // the serial under the hop's shard mutex: a slab slot is never unmapped,
+  // so a stale pointer is harmless once its serial tells it apart.
+  Entry* entry;
+  uint64_t serial;
+  {
+    Shard& shard = shards_[newest->shard];
     MutexLock lock(&shard.mu);
-    auto it = shard.index.find(index_key);
-    if (it == shard.index.end()) return;
-    Entry* entry = it->second.get();
+    if (newest->is(kRemoved)) return;
+    entry = newest->parent;
+    serial = newest->parent_serial;
+  }
+  for (uint32_t distance = 1; entry != nullptr; ++distance) {
+    Shard& shard = shards_[entry->shard];
+    MutexLock lock(&shard.mu);
+    if (entry->serial != serial || entry->is(kRemoved)) return;
     if (distance == ns.window_blocks) {
-      if (entry->residual) {
+      if (entry->is(kResidual)) {
         MutexLock queue_lock(&reencode_mu_);
-        reencode_queue_.push_back({ns.id, entry->key, entry->serial});
+        reencode_queue_.push_back(
+            {ns.id, std::string(entry->key_view()), entry->serial});
       }
       return;
     }
-    key = entry->parent_key;
+    serial = entry->parent_serial;
+    entry = entry->parent;
   }
 }
 
 bool Store::Reencode(const ReencodeJob& job) {
-  Namespace* ns;
-  {
-    MutexLock lock(&ns_mu_);
-    ns = namespaces_[job.ns_id].get();
-  }
-  const std::string index_key = IndexKey(job.ns_id, job.key);
-  Shard& shard = ShardFor(index_key);
+  Namespace* ns = NamespaceById(job.ns_id);
+  KeyRef ref = MakeKeyRef(job.ns_id, job.key);
+  Shard& shard = ShardOf(ref);
   Entry* entry;
   {
     MutexLock lock(&shard.mu);
-    auto it = shard.index.find(index_key);
-    if (it == shard.index.end()) return false;
-    entry = it->second.get();
-    if (entry->serial != job.serial || !entry->residual) return false;
+    entry = Find(shard, ref);
+    if (entry == nullptr || entry->serial != job.serial ||
+        !entry->is(kResidual)) {
+      return false;
+    }
     Pin(shard, entry);
   }
-  // Pinned: pages, codec and the residual flag cannot change under us.
+  // Pinned: its pages and flags cannot change under us.
   const kernels::BlockShape& shape = ns->info.config.shape;
   const kernels::CodecPolicy& policy = ns->info.config.policy;
-  std::vector<uint8_t> fp16(entry->payload_bytes);
+  std::vector<uint8_t> fp16(ns->info.fp16_block_bytes);
   BlockHeader header;
   absl::Status status = pool_.Gather(entry->pages, absl::MakeSpan(fp16));
-  if (status.ok()) status = ReadHeader(entry->pages[0], &header);
+  if (status.ok()) status = ReadHeader(entry->pages.first, &header);
   if (status.ok()) {
     status = VerifyBlock(header, shape, ns->residual_policy,
-                         ns->info.fingerprint, entry->key, fp16);
+                         ns->info.fingerprint, job.key, fp16);
   }
   if (!status.ok()) {
-    ParentLink link;
+    Entry* parent = nullptr;
     {
       MutexLock lock(&shard.mu);
       ++data_loss_events_;
-      if (!entry->removed) {
-        link = RemoveEntry(shard, entry);
+      if (!entry->is(kRemoved)) {
+        parent = RemoveEntry(shard, entry);
         ++evictions_data_loss_;
       }
       Unpin(shard, entry);
     }
-    UnlinkParent(link);
+    UnlinkParent(parent);
     return false;
   }
   std::vector<uint8_t> encoded(ns->info.encoded_block_bytes);
@@ -873,40 +981,37 @@ bool Store::Reencode(const ReencodeJob& job) {
     quantize_observer_(policy.codec,
                        absl::ToDoubleSeconds(absl::Now() - start));
   }
-  std::vector<uint32_t> pages;
+  PageList pages;
   if (status.ok() && !ReservePages(ns->pages_per_block, &pages)) {
     status = absl::ResourceExhaustedError("no room to re-encode");
   }
   if (status.ok()) {
-    BlockHeader new_header = MakeBlockHeader(
-        shape, policy, ns->info.fingerprint, entry->key, encoded);
-    status = WriteHeader(pages[0], new_header);
+    BlockHeader new_header =
+        MakeBlockHeader(shape, policy, ns->info.fingerprint, job.key, encoded);
+    status = WriteHeader(pages.first, new_header);
     if (status.ok()) status = pool_.Scatter(pages, encoded);
   }
-  std::vector<uint32_t> to_release;
-  bool swapped = false;
-  bool retry = false;
+  PageList to_release;
+  bool swapped = false, retry = false;
   {
     MutexLock lock(&shard.mu);
-    if (status.ok() && !entry->removed && entry->pins == 1) {
+    if (status.ok() && !entry->is(kRemoved) && entry->pins == 1) {
       // Nobody else holds the block: switch it to its encoded pages.
       AccountAdd(*entry, -1);
-      pinned_pages_ -= entry->pages.size();
-      to_release = std::move(entry->pages);
-      entry->pages = std::move(pages);
-      pinned_pages_ += entry->pages.size();
-      entry->codec = policy.codec;
-      entry->payload_bytes = encoded.size();
-      entry->residual = false;
+      pinned_pages_ -= entry->pages.count;
+      to_release = entry->pages;
+      entry->pages = pages;
+      pinned_pages_ += entry->pages.count;
+      entry->set(kResidual, false);
       AccountAdd(*entry, +1);
       swapped = true;
     } else {
-      to_release = std::move(pages);
-      retry = status.ok() && !entry->removed;  // a reader holds it: later
+      to_release = pages;
+      retry = status.ok() && !entry->is(kRemoved);  // a reader holds it
     }
     Unpin(shard, entry);
   }
-  if (!to_release.empty()) ReleasePages(to_release);
+  ReleasePages(to_release);
   if (retry) {
     MutexLock lock(&reencode_mu_);
     reencode_queue_.push_back(job);
@@ -938,17 +1043,17 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
     }
   }
   std::vector<Entry*> entries;
+  entries.reserve(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
-    std::string index_key = IndexKey(ns->id, keys[i]);
-    Shard& shard = ShardFor(index_key);
-    Entry* entry = nullptr;
+    KeyRef ref = MakeKeyRef(ns->id, keys[i]);
+    Shard& shard = ShardOf(ref);
+    Entry* entry;
     {
       MutexLock lock(&shard.mu);
-      auto it = shard.index.find(index_key);
-      if (it != shard.index.end()) {
-        entry = it->second.get();
+      entry = Find(shard, ref);
+      if (entry != nullptr) {
         Pin(shard, entry);
-        Touch(shard, entry);
+        Touch(entry);
       }
     }
     if (entry == nullptr) {
@@ -968,15 +1073,17 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
   size_t failed = 0;
   for (size_t i = 0; i < entries.size() && status.ok(); ++i) {
     Entry* entry = entries[i];
+    const bool residual = entry->is(kResidual);
     const kernels::CodecPolicy& policy =
-        entry->residual ? ns->residual_policy : ns->info.config.policy;
-    stored.resize(entry->payload_bytes);
+        residual ? ns->residual_policy : ns->info.config.policy;
+    stored.resize(residual ? ns->info.fp16_block_bytes
+                           : ns->info.encoded_block_bytes);
     BlockHeader header;
     status = pool_.Gather(entry->pages, absl::MakeSpan(stored));
-    if (status.ok()) status = ReadHeader(entry->pages[0], &header);
+    if (status.ok()) status = ReadHeader(entry->pages.first, &header);
     if (!status.ok()) break;
-    status = VerifyBlock(header, shape, policy, ns->info.fingerprint,
-                         entry->key, stored);
+    status = VerifyBlock(header, shape, policy, ns->info.fingerprint, keys[i],
+                         stored);
     if (!status.ok()) {
       failed = i;
       status = absl::DataLossError(absl::StrCat(
@@ -984,8 +1091,8 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
       break;
     }
     ReadBlock block;
-    block.key = entry->key;
-    block.codec = entry->codec;
+    block.key = keys[i];
+    block.codec = policy.codec;
     if (format == ReadFormat::kRaw) {
       block.data.assign(reinterpret_cast<const char*>(stored.data()),
                         stored.size());
@@ -1003,16 +1110,16 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
   if (status.code() == absl::StatusCode::kDataLoss) {
     ++data_loss_events_;
     Entry* bad = entries[failed];
-    ParentLink link;
+    Entry* parent = nullptr;
     {
       Shard& shard = shards_[bad->shard];
       MutexLock lock(&shard.mu);
-      if (!bad->removed) {
-        link = RemoveEntry(shard, bad);
+      if (!bad->is(kRemoved)) {
+        parent = RemoveEntry(shard, bad);
         ++evictions_data_loss_;
       }
     }
-    UnlinkParent(link);
+    UnlinkParent(parent);
   }
   if (!status.ok() || !keep_lease) {
     UnpinAll(entries);
@@ -1040,16 +1147,16 @@ absl::StatusOr<uint32_t> Store::Delete(const std::string& ns_name,
   if (!ns.ok()) return ns.status();
   uint32_t deleted = 0;
   for (const std::string& key : keys) {
-    std::string index_key = IndexKey((*ns)->id, key);
-    Shard& shard = ShardFor(index_key);
-    ParentLink link;
+    KeyRef ref = MakeKeyRef((*ns)->id, key);
+    Shard& shard = ShardOf(ref);
+    Entry* parent;
     {
       MutexLock lock(&shard.mu);
-      auto it = shard.index.find(index_key);
-      if (it == shard.index.end()) continue;
-      link = RemoveEntry(shard, it->second.get());
+      Entry* entry = Find(shard, ref);
+      if (entry == nullptr) continue;
+      parent = RemoveEntry(shard, entry);
     }
-    UnlinkParent(link);
+    UnlinkParent(parent);
     ++deleted;
   }
   deleted_ += deleted;
@@ -1128,20 +1235,21 @@ StoreStats Store::Stats() const {
     s.pending_reencodes = reencode_queue_.size();
   }
   MutexLock lock(&ns_mu_);
-  for (const auto& ns : namespaces_) {
+  for (uint32_t i = 0; i < num_namespaces_; ++i) {
+    const Namespace& ns = *namespaces_[i];
     NamespaceStats n;
-    n.name = ns->info.config.name;
-    n.codec = ns->info.config.policy.codec;
-    n.blocks = ns->blocks;
-    n.tokens = n.blocks * ns->info.config.shape.tokens_per_block;
-    n.residual_blocks = ns->residual_blocks;
-    const kernels::BlockShape& shape = ns->info.config.shape;
+    n.name = ns.info.config.name;
+    n.codec = ns.codec();
+    n.blocks = ns.blocks;
+    n.tokens = n.blocks * ns.info.config.shape.tokens_per_block;
+    n.residual_blocks = ns.residual_blocks;
+    const kernels::BlockShape& shape = ns.info.config.shape;
     for (Codec codec : kernels::kAllCodecs) {
       kernels::CodecPolicy policy;
       policy.codec = codec;
-      policy.fp16_layers = ns->info.config.policy.fp16_layers;
-      policy.kivi_group_size = ns->info.config.policy.kivi_group_size;
-      if (codec == n.codec) policy = ns->info.config.policy;
+      policy.fp16_layers = ns.info.config.policy.fp16_layers;
+      policy.kivi_group_size = ns.info.config.policy.kivi_group_size;
+      if (codec == n.codec) policy = ns.info.config.policy;
       if (!kernels::ValidatePolicy(shape, policy).ok()) continue;
       uint64_t pages_per_block =
           (kernels::EncodedBlockBytes(shape, policy) + page - 1) / page;
@@ -1157,15 +1265,14 @@ absl::Status Store::CorruptBlockForTest(const std::string& ns_name,
                                         const std::string& key, bool header) {
   absl::StatusOr<Namespace*> ns = FindNamespace(ns_name);
   if (!ns.ok()) return ns.status();
-  std::string index_key = IndexKey((*ns)->id, key);
-  Shard& shard = ShardFor(index_key);
+  KeyRef ref = MakeKeyRef((*ns)->id, key);
+  Shard& shard = ShardOf(ref);
   MutexLock lock(&shard.mu);
-  auto it = shard.index.find(index_key);
-  if (it == shard.index.end())
-    return absl::NotFoundError("block is not stored");
-  const Entry& entry = *it->second;
-  uint64_t offset = header ? uint64_t{entry.pages[0]} * sizeof(BlockHeader) + 20
-                           : pool_.PageOffset(entry.pages[0]);
+  Entry* entry = Find(shard, ref);
+  if (entry == nullptr) return absl::NotFoundError("block is not stored");
+  uint64_t offset =
+      header ? uint64_t{entry->pages.first} * sizeof(BlockHeader) + 20
+             : pool_.PageOffset(entry->pages.first);
   uint8_t byte;
   if (absl::Status s = arena_->Read(offset, &byte, 1); !s.ok()) return s;
   byte ^= header ? 0x01 : 0x5A;

@@ -25,10 +25,18 @@
 //    counts it.
 //
 // Concurrency: the index is split into shards by key hash, each with its own
-// mutex, map and LRU order; the page pool, the leases and the namespaces have
-// one mutex each. No thread holds two shard mutexes at once; the pool and
-// lease mutexes are taken last. Encode, decode, copies and checksums run with
-// no mutex held, on pages that a lease, a pin or a re-encode owns.
+// mutex, hash set, entry slab and LRU order; the page pool, the leases and
+// the namespaces have one mutex each. No thread holds two shard mutexes at
+// once; the pool and lease mutexes are taken last.
+//
+// Memory: an index entry is a fixed 80-byte record from its shard's slab
+// (keys up to 16 bytes inline), one pointer slot in the shard's hash set and,
+// while evictable, one (tick, pointer) pair in the shard's LRU B-tree; page
+// lists live in the pool (4 bytes per page). Recency is recorded lazily: a
+// hit only stores a tick, and eviction re-files a stale LRU head before
+// taking it, which keeps the order exact without re-sorting on every hit.
+// Encode, decode, copies and checksums run with no mutex held, on pages that a
+// lease, a pin or a re-encode owns.
 #ifndef KVCACHE_STORE_STORE_H_
 #define KVCACHE_STORE_STORE_H_
 
@@ -38,7 +46,6 @@
 #include <deque>
 #include <functional>
 #include <memory>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -48,6 +55,7 @@
 #include "absl/random/random.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/codec.h"
@@ -59,6 +67,7 @@
 namespace kvcache::store {
 
 inline constexpr size_t kMaxKeyBytes = 64;
+inline constexpr size_t kMaxNamespaces = 65535;
 inline constexpr size_t kNumCodecs = 5;
 inline constexpr size_t kNumShards = 16;
 
@@ -255,44 +264,55 @@ class Store {
   struct Shard;
   struct ReadLease;
   struct WriteLease;
-  struct ParentLink {
-    uint32_t ns_id = 0;
-    std::string parent_key;
-    uint64_t parent_serial = 0;  // 0: no link to undo
-  };
   struct ReencodeJob {
-    uint32_t ns_id;
+    uint16_t ns_id;
     std::string key;
     uint64_t serial;
+  };
+  // Identifies a block by (namespace, key) without building a string.
+  struct KeyRef {
+    uint16_t ns_id;
+    absl::string_view key;
+    uint64_t hash;
   };
 
   Store(const StoreOptions& options, std::unique_ptr<Arena> arena);
 
   absl::StatusOr<Namespace*> FindNamespace(const std::string& name) const;
-  Shard& ShardFor(const std::string& index_key) const;
+  Namespace* NamespaceById(uint16_t id) const;
+  static KeyRef MakeKeyRef(uint16_t ns_id, absl::string_view key);
+  Shard& ShardOf(const KeyRef& ref) const;
 
   // Shard-level helpers; each requires the shard's mutex.
-  void Touch(Shard& shard, Entry* entry);
+  Entry* Find(Shard& shard, const KeyRef& ref);
+  void Touch(Entry* entry);
   void UpdateEvictable(Shard& shard, Entry* entry);
   void Pin(Shard& shard, Entry* entry);
-  // Removes a block from its shard and the accounting; frees its pages now
-  // or, when pinned, at the last unpin. The caller undoes the returned
-  // parent link after releasing the shard mutex.
-  ParentLink RemoveEntry(Shard& shard, Entry* entry);
+  // Hides a block: out of the index and the accounting. Its pages go back
+  // now, or at the last unpin; its entry lives on while it has pins or
+  // cached children. Returns the parent whose child count the caller must
+  // drop (UnlinkParent) after releasing the shard mutex.
+  Entry* RemoveEntry(Shard& shard, Entry* entry);
+  // Drops one pin; at the last one a removed block's pages go back.
   void Unpin(Shard& shard, Entry* entry);
+  // Returns a removed entry to its shard's slab once no pin and no cached
+  // child refers to it.
+  void MaybeFree(Shard& shard, Entry* entry);
 
-  void UnlinkParent(const ParentLink& link);
+  // Drops one cached child from `parent` (a removed parent has already
+  // dropped its own link, so nothing cascades). Takes its shard's mutex.
+  void UnlinkParent(Entry* parent);
   void UnpinAll(const std::vector<Entry*>& entries);
   // Evicts the least recently used evictable block; false when none.
   bool EvictOne(std::atomic<uint64_t>* counter);
-  bool ReservePages(uint32_t count, std::vector<uint32_t>* pages);
-  void ReleasePages(absl::Span<const uint32_t> pages);
+  bool ReservePages(uint32_t count, PageList* pages);
+  void ReleasePages(const PageList& pages);
   void ReleaseReadLease(uint64_t id);
   void ReleaseWriteLease(uint64_t id);
   uint64_t NewLeaseId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_mu_);
   absl::Time LeaseDeadline(absl::Duration ttl) const;
   void AccountAdd(const Entry& entry, int sign);
-  void QueueWindowExit(const Namespace& ns, const BlockRef& newest);
+  void QueueWindowExit(const Namespace& ns, Entry* newest);
   bool Reencode(const ReencodeJob& job);
   absl::Status WriteHeader(uint32_t first_page, const BlockHeader& header);
   absl::Status ReadHeader(uint32_t first_page, BlockHeader* header) const;
@@ -303,7 +323,10 @@ class Store {
   QuantizeObserver quantize_observer_;
 
   mutable Mutex ns_mu_;
-  std::vector<std::unique_ptr<Namespace>> namespaces_ ABSL_GUARDED_BY(ns_mu_);
+  // max_namespaces slots, filled in registration order and never emptied;
+  // a slot is written once, before any block of it exists.
+  std::unique_ptr<std::unique_ptr<Namespace>[]> namespaces_;
+  uint32_t num_namespaces_ ABSL_GUARDED_BY(ns_mu_) = 0;
 
   mutable Mutex pool_mu_;
   PagePool pool_ ABSL_GUARDED_BY(pool_mu_);
