@@ -3,6 +3,7 @@
 #include "store/store.h"
 
 #include <atomic>
+#include <map>
 #include <cstring>
 #include <thread>
 
@@ -263,6 +264,104 @@ TEST(StoreTest, RandomChainsNeverEvictAParentBeforeItsChildren) {
     }
   }
   EXPECT_GT(store->Stats().evictions_capacity, 0u);
+}
+
+// Property test: random writes, hits and deletes on random chains, checked
+// after every step against a reference model of the eviction rule (among
+// cached blocks with no cached children, the least recently used goes).
+TEST(StoreTest, EvictionOrderMatchesAReferenceModelOnRandomChains) {
+  constexpr int kCapacity = 24;  // one 4 KiB page per block below
+  NamespaceConfig config = Config("ns", Codec::kNone);
+  config.shape = {1, 1, 32, 32};  // 4 KiB of fp16
+  auto store = MakeStore(kCapacity * kPage + 4096);
+  ASSERT_EQ(store->Stats().capacity_bytes / kPage, uint64_t{kCapacity});
+  ASSERT_TRUE(store->RegisterNamespace(config).ok());
+  std::vector<uint16_t> payload(32 * 32 * 2, 0x3C00);
+  auto bytes = absl::MakeConstSpan(
+      reinterpret_cast<const uint8_t*>(payload.data()), payload.size() * 2);
+
+  struct ModelBlock {
+    int parent = -1;  // cached parent at insert time, -1 if none
+    uint64_t last_access = 0;
+  };
+  std::map<int, ModelBlock> model;  // the cached blocks
+  uint64_t tick = 0;
+  auto children_of = [&](int id) {
+    int n = 0;
+    for (const auto& [other, b] : model) n += b.parent == id;
+    return n;
+  };
+  auto expected_victim = [&]() {
+    int victim = -1;
+    for (const auto& [id, b] : model) {
+      if (children_of(id) > 0) continue;
+      if (victim < 0 || b.last_access < model[victim].last_access) victim = id;
+    }
+    return victim;
+  };
+
+  std::mt19937 rng(42);
+  int next_id = 0;
+  for (int step = 0; step < 3000; ++step) {
+    int op = static_cast<int>(rng() % 10);
+    if (op < 5 || model.empty()) {
+      // Write a new block: a child of a random cached block, or a root.
+      int parent = -1;
+      if (!model.empty() && rng() % 4 != 0) {
+        auto it = model.begin();
+        std::advance(it, rng() % model.size());
+        parent = it->first;
+      }
+      int id = next_id++;
+      if (static_cast<int>(model.size()) == kCapacity) {
+        int victim = expected_victim();
+        ASSERT_GE(victim, 0);
+        for (auto& [other, b] : model) {
+          if (b.parent == victim) b.parent = -1;
+        }
+        model.erase(victim);
+      }
+      auto begin = store->BeginWrite(
+          "ns", {{Key(id), parent >= 0 ? Key(parent) : ""}},
+          absl::Seconds(10));
+      ASSERT_TRUE(begin.ok()) << begin.status();
+      ASSERT_TRUE(store->CommitWrite(begin->write_id, {{0, bytes}}).ok());
+      // If the parent was evicted to make room, the child has no parent.
+      if (parent >= 0 && !model.count(parent)) parent = -1;
+      model[id] = {parent, ++tick};
+    } else if (op < 8) {
+      // A hit on a random cached block.
+      auto it = model.begin();
+      std::advance(it, rng() % model.size());
+      ASSERT_EQ(store->Lookup("ns", {Key(it->first)}, false,
+                              absl::ZeroDuration())
+                    ->prefix_blocks,
+                1u);
+      it->second.last_access = ++tick;
+    } else {
+      auto it = model.begin();
+      std::advance(it, rng() % model.size());
+      int id = it->first;
+      ASSERT_EQ(*store->Delete("ns", {Key(id)}), 1u);
+      for (auto& [other, b] : model) {
+        if (b.parent == id) b.parent = -1;
+      }
+      model.erase(id);
+    }
+    // The store holds exactly the model's blocks. (Lookups of absent keys
+    // do not touch anything, so checking does not disturb the order.)
+    ASSERT_EQ(store->Stats().codecs[0].blocks, model.size()) << "step " << step;
+    if (step % 50 == 0) {
+      for (int id = std::max(0, next_id - 200); id < next_id; ++id) {
+        bool cached = store->Lookup("ns", {Key(id)}, false,
+                                    absl::ZeroDuration())
+                          ->prefix_blocks == 1;
+        ASSERT_EQ(cached, model.count(id) == 1)
+            << "block " << id << " at step " << step;
+        if (cached) model[id].last_access = ++tick;  // the check was a hit
+      }
+    }
+  }
 }
 
 TEST(StoreTest, PinnedBlocksAreNotEvictedAndFullPoolIsResourceExhausted) {
