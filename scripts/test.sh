@@ -9,6 +9,12 @@ cd "$root"
 start=$(date +%s)
 
 "$root/scripts/install-deps.sh"
+if ! python3 -c "import numpy" 2>/dev/null; then
+  echo "== pip install -r tests/requirements.txt"
+  python3 -m pip install -q --disable-pip-version-check -r "$root/tests/requirements.txt" ||
+    python3 -m pip install -q --disable-pip-version-check --break-system-packages \
+      -r "$root/tests/requirements.txt"
+fi
 
 echo "== build"
 "$root/scripts/build.sh"
