@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh Debian 12 machine: installs what is
 # missing, builds, runs every ctest test (unit, integration, process and
-# metrics tests), the store stress test under ThreadSanitizer, and the
-# offline deployment checks. Exits non-zero on any failure.
+# metrics tests), the store stress test under ThreadSanitizer, a local
+# observability run (real nodes, a real Prometheus, asserted by a test) and
+# the offline deployment checks. Exits non-zero on any failure.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -29,9 +30,12 @@ cmake --build "$root/build-tsan" -j "$(nproc)" --target store_test
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
   "$root/build-tsan/tests/store_test" --gtest_brief=1
 
-if [[ -x "$root/scripts/deploy-check.sh" ]]; then
-  echo "== deployment checks"
-  "$root/scripts/deploy-check.sh" "$root/build"
-fi
+echo "== observability: real nodes scraped by a real Prometheus"
+metrics_file=$(mktemp)
+trap 'rm -f "$metrics_file"' EXIT
+"$root/scripts/observe.sh" --test --save-metrics "$metrics_file"
+
+echo "== deployment checks (against the metrics of a real node)"
+KVCACHE_DEPLOY_SKIP_OBSERVE=1 "$root/scripts/deploy-check.sh" "$metrics_file"
 
 echo "== all tests passed in $(( $(date +%s) - start )) s"
