@@ -1,6 +1,8 @@
 #include "kernels/codec.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "absl/base/config.h"
@@ -24,7 +26,7 @@ using FindNonFiniteFn = size_t (*)(const uint16_t*, size_t);
 
 // Limits that keep every index computation far from overflow: indices within
 // a section fit in 32 bits (the CUDA kernels rely on it).
-constexpr uint64_t kMaxSectionElements = uint64_t{1} << 32;
+constexpr uint64_t kMaxSectionElements = uint64_t{1} << 31;
 constexpr uint64_t kMaxBlockBytes = uint64_t{1} << 44;
 
 bool ValidCodec(Codec c) {
@@ -103,7 +105,8 @@ absl::Status CheckFinite(const BlockShape& shape, absl::Span<const uint16_t> in,
 
 absl::Status EncodeWith(const BlockShape& shape, const CodecPolicy& policy,
                         absl::Span<const uint16_t> in, absl::Span<uint8_t> out,
-                        EncodeSectionFn encode, FindNonFiniteFn find) {
+                        EncodeSectionFn encode, FindNonFiniteFn find,
+                        bool fast) {
   if (absl::Status st = ValidatePolicy(shape, policy); !st.ok()) return st;
   const size_t in_elems = Fp16BlockBytes(shape) / 2;
   const SectionPlan plan(shape, policy);
@@ -118,12 +121,44 @@ absl::Status EncodeWith(const BlockShape& shape, const CodecPolicy& policy,
         absl::StrCat("EncodeBlock: output holds ", out.size(),
                      " bytes, the encoded block needs ", out_bytes));
   }
-  if (absl::Status st = CheckFinite(shape, in, find); !st.ok()) return st;
+  if (!fast) {
+    // The reference checks the whole block before writing anything.
+    if (absl::Status st = CheckFinite(shape, in, find); !st.ok()) return st;
+    const uint16_t* src = in.data();
+    uint8_t* dst = out.data();
+    for (const Section& s : plan.sections()) {
+      encode(s, src, dst);
+      src += s.elements();
+      dst += internal::SectionBytes(s);
+    }
+    return absl::OkStatus();
+  }
+  // The fast path checks each section just before encoding it, while the
+  // section is in cache, so the block is read from memory once. When a
+  // section holds a non-finite value, the output written so far is zeroed:
+  // the caller never sees part of an encoding. With dynamic fp8 scales, the
+  // per-head |x| maximum is the check (>= 0x7C00 means inf or NaN).
+  const bool fp8_dynamic =
+      internal::IsFp8(policy.codec) && policy.scale_mode == ScaleMode::kDynamic;
+  std::vector<uint16_t> head_max(fp8_dynamic ? shape.num_kv_heads : 0);
   const uint16_t* src = in.data();
   uint8_t* dst = out.data();
-  for (const Section& s : plan.sections()) {
+  for (Section s : plan.sections()) {
+    const size_t n = s.elements();
+    bool finite;
+    if (fp8_dynamic && s.codec != Codec::kNone) {
+      internal::HeadAbsMaxSimd(s, src, head_max.data());
+      finite = *std::max_element(head_max.begin(), head_max.end()) < 0x7C00u;
+      s.head_abs_max = head_max.data();
+    } else {
+      finite = find(src, n) == n;
+    }
+    if (!finite) {
+      std::memset(out.data(), 0, static_cast<size_t>(dst - out.data()));
+      return CheckFinite(shape, in, find);
+    }
     encode(s, src, dst);
-    src += s.elements();
+    src += n;
     dst += internal::SectionBytes(s);
   }
   return absl::OkStatus();
@@ -275,7 +310,7 @@ absl::Status EncodeBlock(const BlockShape& shape, const CodecPolicy& policy,
                          absl::Span<uint8_t> encoded_out) {
   return EncodeWith(shape, policy, fp16_in, encoded_out,
                     &internal::EncodeSectionSimd,
-                    &internal::FindNonFiniteHalfSimd);
+                    &internal::FindNonFiniteHalfSimd, /*fast=*/true);
 }
 
 absl::Status DecodeBlock(const BlockShape& shape, const CodecPolicy& policy,
@@ -291,7 +326,7 @@ absl::Status EncodeBlockReference(const BlockShape& shape,
                                   absl::Span<uint8_t> encoded_out) {
   return EncodeWith(shape, policy, fp16_in, encoded_out,
                     &internal::EncodeSectionReference,
-                    &internal::FindNonFiniteHalfReference);
+                    &internal::FindNonFiniteHalfReference, /*fast=*/false);
 }
 
 absl::Status DecodeBlockReference(const BlockShape& shape,

@@ -97,8 +97,9 @@ size_t Fp16BlockBytes(const BlockShape& shape);
 size_t EncodedBlockBytes(const BlockShape& shape, const CodecPolicy& policy);
 
 // Fast path (SIMD on the CPU). INVALID_ARGUMENT for an invalid policy, spans
-// of the wrong size, or non-finite input (the message names layer, K|V, head,
-// token and channel of the first one; nothing is encoded then).
+// of the wrong size, or non-finite input: the message names layer, K|V,
+// head, token and channel of the first one, and the output then holds no
+// encoding (bytes the call wrote are zeroed; the rest are untouched).
 absl::Status EncodeBlock(const BlockShape& shape, const CodecPolicy& policy,
                          absl::Span<const uint16_t> fp16_in,
                          absl::Span<uint8_t> encoded_out);
@@ -108,7 +109,8 @@ absl::Status DecodeBlock(const BlockShape& shape, const CodecPolicy& policy,
                          absl::Span<uint16_t> fp16_out);
 
 // The scalar reference (the specification in code); same contract and the
-// same output bytes as EncodeBlock / DecodeBlock.
+// same output bytes as EncodeBlock / DecodeBlock (on non-finite input it
+// writes nothing at all).
 absl::Status EncodeBlockReference(const BlockShape& shape,
                                   const CodecPolicy& policy,
                                   absl::Span<const uint16_t> fp16_in,

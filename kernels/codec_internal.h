@@ -20,6 +20,10 @@ struct Section {
   // fp8: nullptr for dynamic scales (stored in the section), otherwise
   // `heads` static scales, one per kv head.
   const float* static_scales = nullptr;
+  // fp8 dynamic scales, optional (SIMD path): per head, the largest
+  // (bits & 0x7FFF) of the section's values, already computed by the caller.
+  // The reference ignores it.
+  const uint16_t* head_abs_max = nullptr;
 
   size_t elements() const { return static_cast<size_t>(tokens) * heads * dim; }
 };

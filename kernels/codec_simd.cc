@@ -1,12 +1,12 @@
-// Highway SIMD section codecs with runtime dispatch. Every operation mirrors
-// the scalar reference (codec_reference.cc) so that the output is
-// bit-identical: IEEE fp32 add, subtract, multiply and divide (never a
-// reciprocal, never a fused multiply-add: this file is compiled with
-// -ffp-contract=off and uses no MulAdd), fp32 -> fp16 and fp32 -> fp8 rounding
-// to nearest even done with integer operations (or F16C, which rounds the
-// same way), and the same order of operations.
-#include "kernels/codec_simd.h"
-
+// Highway SIMD section codecs with runtime dispatch. Every operation
+// produces the bits the scalar reference (codec_reference.cc) produces:
+// IEEE fp32 add, subtract and multiply in the same order, never contracted
+// (this file is compiled with -ffp-contract=off); divisions either as true
+// divisions or, on targets with FMA, as a correctly rounded FMA sequence
+// proven equal to IEEE division for every input the codecs give it (see
+// DivideRn); fp32 -> fp16 and fp32 -> fp8 rounding to nearest even with
+// integer operations, F16C or exact fp32 additions (see F32ToHalf and
+// Fp8FromF32).
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -232,7 +232,7 @@ uint64_t DivisionMismatchesImpl(const float* dividends, size_t na,
 
 struct Scratch {
   std::vector<float> f0, f1, f2, f3, f4;
-  std::vector<uint16_t> u16;
+  std::vector<uint16_t> u16, colmax;
   std::vector<uint8_t> stage;
 };
 
@@ -294,6 +294,33 @@ HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Fp8Encode(DF df, hn::Vec<DF> q,
   }
 }
 
+// Per kv head of a section: the largest fp16 bit pattern with the sign
+// cleared, which for finite values is the largest |x| (and is >= 0x7C00 when
+// the head holds an infinity or a NaN).
+void SectionHeadAbsMax(const Section& s, const uint16_t* in,
+                       uint16_t* head_max) {
+  const size_t T = s.tokens, H = s.heads, D = s.dim, HD = H * D;
+  const hn::ScalableTag<uint16_t> d16;
+  const size_t N16 = hn::Lanes(d16);
+  uint16_t* colmax = Sized(GetScratch().colmax, HD);
+  std::fill(colmax, colmax + HD, uint16_t{0});
+  const auto abs_mask = hn::Set(d16, 0x7FFFu);
+  for (size_t t = 0; t < T; ++t) {
+    const uint16_t* row = in + t * HD;
+    size_t j = 0;
+    for (; j + N16 <= HD; j += N16) {
+      const auto v = hn::And(hn::LoadU(d16, row + j), abs_mask);
+      hn::StoreU(hn::Max(hn::LoadU(d16, colmax + j), v), d16, colmax + j);
+    }
+    for (; j < HD; ++j) {
+      colmax[j] = std::max<uint16_t>(colmax[j], row[j] & 0x7FFFu);
+    }
+  }
+  for (size_t h = 0; h < H; ++h) {
+    head_max[h] = *std::max_element(colmax + h * D, colmax + h * D + D);
+  }
+}
+
 template <Codec kCodec>
 void EncodeFp8(const Section& s, const uint16_t* in, uint8_t* out) {
   const size_t T = s.tokens, H = s.heads, D = s.dim, HD = H * D;
@@ -301,27 +328,14 @@ void EncodeFp8(const Section& s, const uint16_t* in, uint8_t* out) {
   float* scale = Sized(scratch.f0, H);
   uint8_t* codes = out;
   if (s.static_scales == nullptr) {
-    // amax per head: the largest |x| of finite halves is the largest of the
-    // bit patterns with the sign cleared.
-    const hn::ScalableTag<uint16_t> d16;
-    const size_t N16 = hn::Lanes(d16);
-    uint16_t* colmax = Sized(scratch.u16, HD);
-    std::fill(colmax, colmax + HD, uint16_t{0});
-    const auto abs_mask = hn::Set(d16, 0x7FFFu);
-    for (size_t t = 0; t < T; ++t) {
-      const uint16_t* row = in + t * HD;
-      size_t j = 0;
-      for (; j + N16 <= HD; j += N16) {
-        const auto v = hn::And(hn::LoadU(d16, row + j), abs_mask);
-        hn::StoreU(hn::Max(hn::LoadU(d16, colmax + j), v), d16, colmax + j);
-      }
-      for (; j < HD; ++j) {
-        colmax[j] = std::max<uint16_t>(colmax[j], row[j] & 0x7FFFu);
-      }
+    uint16_t* amax_bits = Sized(scratch.u16, H);
+    if (s.head_abs_max != nullptr) {
+      std::copy(s.head_abs_max, s.head_abs_max + H, amax_bits);
+    } else {
+      SectionHeadAbsMax(s, in, amax_bits);
     }
     for (size_t h = 0; h < H; ++h) {
-      const uint16_t m = *std::max_element(colmax + h * D, colmax + h * D + D);
-      const float amax = HalfToFloat(m);
+      const float amax = HalfToFloat(amax_bits[h]);
       scale[h] = amax == 0.0f ? 1.0f : amax / Fp8Max(kCodec);
       StoreLe32(out + 4 * h, FloatBits(scale[h]));
     }
@@ -333,6 +347,7 @@ void EncodeFp8(const Section& s, const uint16_t* in, uint8_t* out) {
   const hn::ScalableTag<float> df;
   const hn::Rebind<uint16_t, decltype(df)> d16;
   const hn::Rebind<uint8_t, decltype(df)> d8;
+  const hn::RebindToUnsigned<decltype(df)> du;
   const size_t N = hn::Lanes(df);
   for (size_t t = 0; t < T; ++t) {
     for (size_t h = 0; h < H; ++h) {
@@ -347,13 +362,13 @@ void EncodeFp8(const Section& s, const uint16_t* in, uint8_t* out) {
         for (; j + N <= D; j += N) {
           const auto x = HalfToF32(df, hn::LoadU(d16, row + j));
           const auto c = Fp8Encode<kCodec>(df, DivideRn(df, x, vsc, vrcp), x);
-          hn::StoreU(hn::DemoteTo(d8, c), d8, dst + j);
+          hn::StoreU(hn::TruncateTo(d8, hn::BitCast(du, c)), d8, dst + j);
         }
       } else {
         for (; j + N <= D; j += N) {
           const auto x = HalfToF32(df, hn::LoadU(d16, row + j));
           const auto c = Fp8Encode<kCodec>(df, hn::Div(x, vsc), x);
-          hn::StoreU(hn::DemoteTo(d8, c), d8, dst + j);
+          hn::StoreU(hn::TruncateTo(d8, hn::BitCast(du, c)), d8, dst + j);
         }
       }
       for (; j < D; ++j) dst[j] = Fp8Scalar<kCodec>(HalfToFloat(row[j]) / sc);
@@ -440,55 +455,92 @@ void PackCodes(const uint8_t* codes, size_t n, uint8_t* out) {
   }
 }
 
-// Byte -> its codes, one per byte, little end first.
-struct UnpackTables {
-  uint32_t two[256];
-  uint16_t four[256];
-  UnpackTables() {
-    for (uint32_t b = 0; b < 256; ++b) {
-      two[b] = (b & 3u) | ((b >> 2) & 3u) << 8 | ((b >> 4) & 3u) << 16 |
-               ((b >> 6) & 3u) << 24;
-      four[b] = static_cast<uint16_t>((b & 15u) | ((b >> 4) & 15u) << 8);
-    }
-  }
-};
-
-const UnpackTables& Tables() {
-  static const UnpackTables tables;
-  return tables;
-}
-
+// n codes (n a multiple of 8 / kBits) from packed bytes, one per byte.
+// 16 packed bytes at a time: split the fields with shifts and masks, then
+// interleave them back into element order.
 template <uint32_t kBits>
 void UnpackCodes(const uint8_t* packed, size_t n, uint8_t* codes) {
-  const UnpackTables& tab = Tables();
+  const hn::Full128<uint8_t> d8;
+  const hn::Full128<uint16_t> d16;
+  const size_t nbytes = n * kBits / 8;
+  size_t k = 0;
   if constexpr (kBits == 2) {
-    for (size_t k = 0; k < n / 4; ++k) {
-      std::memcpy(codes + 4 * k, &tab.two[packed[k]], 4);  // little-endian
+    const auto m = hn::Set(d8, 3);
+    for (; k + 16 <= nbytes; k += 16) {
+      const auto v = hn::LoadU(d8, packed + k);
+      const auto c0 = hn::And(v, m);
+      const auto c1 = hn::And(hn::ShiftRight<2>(v), m);
+      const auto c2 = hn::And(hn::ShiftRight<4>(v), m);
+      const auto c3 = hn::ShiftRight<6>(v);
+      // Byte j holds elements 4j..4j+3 = c0[j], c1[j], c2[j], c3[j].
+      const auto lo01 = hn::BitCast(d16, hn::InterleaveLower(d8, c0, c1));
+      const auto hi01 = hn::BitCast(d16, hn::InterleaveUpper(d8, c0, c1));
+      const auto lo23 = hn::BitCast(d16, hn::InterleaveLower(d8, c2, c3));
+      const auto hi23 = hn::BitCast(d16, hn::InterleaveUpper(d8, c2, c3));
+      uint8_t* dst = codes + 4 * k;
+      hn::StoreU(hn::BitCast(d8, hn::InterleaveLower(d16, lo01, lo23)), d8,
+                 dst);
+      hn::StoreU(hn::BitCast(d8, hn::InterleaveUpper(d16, lo01, lo23)), d8,
+                 dst + 16);
+      hn::StoreU(hn::BitCast(d8, hn::InterleaveLower(d16, hi01, hi23)), d8,
+                 dst + 32);
+      hn::StoreU(hn::BitCast(d8, hn::InterleaveUpper(d16, hi01, hi23)), d8,
+                 dst + 48);
+    }
+    for (; k < nbytes; ++k) {
+      const uint32_t b = packed[k];
+      for (uint32_t u = 0; u < 4; ++u) codes[4 * k + u] = (b >> (2 * u)) & 3u;
     }
   } else {
-    for (size_t k = 0; k < n / 2; ++k) {
-      std::memcpy(codes + 2 * k, &tab.four[packed[k]], 2);
+    const auto m = hn::Set(d8, 15);
+    for (; k + 16 <= nbytes; k += 16) {
+      const auto v = hn::LoadU(d8, packed + k);
+      const auto lo = hn::And(v, m);
+      const auto hi = hn::ShiftRight<4>(v);
+      hn::StoreU(hn::InterleaveLower(d8, lo, hi), d8, codes + 2 * k);
+      hn::StoreU(hn::InterleaveUpper(d8, lo, hi), d8, codes + 2 * k + 16);
+    }
+    for (; k < nbytes; ++k) {
+      codes[2 * k] = packed[k] & 15u;
+      codes[2 * k + 1] = packed[k] >> 4;
     }
   }
 }
 
-// clamp(rint((x - zero) / scale), 0, qmax), 0 where scale == 0. x >= zero
-// (zero is the group minimum), so the quotient is >= 0 (or -0), and
-// rint(min(q, qmax)) == min(rint(q), qmax); rint of a value in [0, 2^22]
-// is (q + 2^23) - 2^23 in fp32 round to nearest even.
-// The scale is an fp16 value and x - zero is 0 or at least 2^-24, so
-// DivideRn's ranges hold; lanes where scale == 0 (rcp = inf) are discarded.
+// The divisor and reciprocal DivideRn uses for a group scale. With FMA, a
+// zero scale (every code 0) becomes divisor 1 and reciprocal 0, which makes
+// the quotient 0 for any finite x - zero: no per-element test. Without FMA
+// the division is a true one and KiviCode tests for the zero scale.
 template <class DF>
-HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> KiviCode(DF df, hn::Vec<DF> x,
-                                                    hn::Vec<DF> zero,
-                                                    hn::Vec<DF> scale,
-                                                    hn::Vec<DF> rcp,
-                                                    hn::Vec<DF> qmax) {
-  const auto q = hn::Min(DivideRn(df, hn::Sub(x, zero), scale, rcp), qmax);
-  const auto magic = hn::Set(df, 0x1p23f);
-  const auto r = hn::Sub(hn::Add(q, magic), magic);
-  const auto code = hn::IfThenZeroElse(hn::Eq(scale, hn::Zero(df)), r);
-  return hn::ConvertTo(hn::RebindToSigned<DF>(), code);
+HWY_INLINE void KiviDivisor(DF df, hn::Vec<DF> scale, hn::Vec<DF>& divisor,
+                            hn::Vec<DF>& rcp) {
+#if HWY_NATIVE_FMA
+  const auto zero_scale = hn::Eq(scale, hn::Zero(df));
+  divisor = hn::IfThenElse(zero_scale, hn::Set(df, 1.0f), scale);
+  rcp = hn::IfThenZeroElse(zero_scale, hn::Div(hn::Set(df, 1.0f), divisor));
+#else
+  divisor = scale;
+  rcp = scale;  // unused
+#endif
+}
+
+// clamp(rint((x - zero) / scale), 0, qmax), 0 where scale == 0, in the low
+// byte of each 32-bit lane. x >= zero (zero is the group minimum), so the
+// quotient is >= 0 (or -0), and rint(min(q, qmax)) == min(rint(q), qmax).
+// Adding 2^23 to a q in [0, 2^22] rounds it to an integer, to nearest even,
+// and leaves that integer in the low mantissa bits.
+template <class DF>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> KiviCode(DF df, hn::Vec<DF> x,
+                                                      hn::Vec<DF> zero,
+                                                      hn::Vec<DF> divisor,
+                                                      hn::Vec<DF> rcp,
+                                                      hn::Vec<DF> qmax) {
+  auto q = hn::Min(DivideRn(df, hn::Sub(x, zero), divisor, rcp), qmax);
+#if !HWY_NATIVE_FMA
+  q = hn::IfThenZeroElse(hn::Eq(divisor, hn::Zero(df)), q);
+#endif
+  return hn::BitCast(hn::RebindToUnsigned<DF>(),
+                     hn::Add(q, hn::Set(df, 0x1p23f)));
 }
 
 template <uint32_t kBits>
@@ -512,7 +564,6 @@ void EncodeKiviKeys(DF df, const Section& s, const uint16_t* in, uint8_t* out) {
   const size_t N = hn::Lanes(df);
   const auto qmax = hn::Set(df, static_cast<float>((1u << kBits) - 1u));
   const auto pos_zero = hn::Zero(df);
-  const auto one = hn::Set(df, 1.0f);
   Scratch& scratch = GetScratch();
   uint8_t* stage = Sized(scratch.stage, G * HD);  // codes of one token group
   for (size_t g = 0; g < T / G; ++g) {
@@ -535,12 +586,13 @@ void EncodeKiviKeys(DF df, const Section& s, const uint16_t* in, uint8_t* out) {
       hn::StoreU(hn::BitCast(d16b, zh), d16b, zeros + 2 * m);
       hn::StoreU(hn::BitCast(d16b, sh), d16b, scales + 2 * m);
       const auto zero = HalfToF32(df, zh);
-      const auto scale = HalfToF32(df, sh);
-      const auto rcp = hn::Div(one, scale);
+      hn::Vec<DF> divisor, rcp;
+      KiviDivisor(df, HalfToF32(df, sh), divisor, rcp);
       for (size_t t = 0; t < G; ++t) {
         const auto x = HalfToF32(df, hn::LoadU(d16, slice + t * HD + j));
-        hn::StoreU(hn::DemoteTo(d8, KiviCode(df, x, zero, scale, rcp, qmax)),
-                   d8, stage + t * HD + j);
+        hn::StoreU(
+            hn::TruncateTo(d8, KiviCode(df, x, zero, divisor, rcp, qmax)), d8,
+            stage + t * HD + j);
       }
     }
     PackCodes<kBits>(stage, G * HD, codes + g * G * HD * kBits / 8);
@@ -588,8 +640,69 @@ void DecodeKiviKeys(DF df, const Section& s, const uint8_t* in, uint16_t* out) {
   }
 }
 
+// fp16 bits -> u16 keys ordered like the values (-0 just below +0).
+template <class D16>
+HWY_INLINE hn::Vec<D16> SortableKey(D16 d16, hn::Vec<D16> h) {
+  const hn::RebindToSigned<D16> di16;
+  const auto neg = hn::BitCast(d16, hn::ShiftRight<15>(hn::BitCast(di16, h)));
+  return hn::Xor(h, hn::Or(neg, hn::Set(d16, 0x8000u)));
+}
+inline uint16_t KeyToHalf(uint16_t key) {
+  return static_cast<uint16_t>((key & 0x8000u) ? key ^ 0x8000u : key ^ 0xFFFFu);
+}
+inline uint16_t HalfToKey(uint16_t h) {
+  return static_cast<uint16_t>((h & 0x8000u) ? h ^ 0xFFFFu : h ^ 0x8000u);
+}
+
+// Smallest lane, folding to 128 bits first (where x86 has PHMINPOSUW).
+template <class D16>
+HWY_INLINE uint16_t MinLane(D16 d16, hn::Vec<D16> v) {
+  if constexpr (hn::MaxLanes(D16()) > 8) {
+    const hn::Half<D16> dh;
+    return MinLane(dh, hn::Min(hn::LowerHalf(dh, v), hn::UpperHalf(dh, v)));
+  } else {
+    return hn::GetLane(hn::MinOfLanes(d16, v));
+  }
+}
+
+// Min and max fp16 of each of `count` groups of G consecutive values, as
+// fp16 bits (exact: the extremes are input values). Integer compares on
+// 16-bit keys: twice the lanes of fp32 and a one-instruction horizontal min.
+template <class D16>
+void GroupMinMax(D16 d16, const uint16_t* in, size_t G, size_t count,
+                 uint16_t* mn, uint16_t* mx) {
+  const size_t N16 = hn::Lanes(d16);
+  for (size_t k = 0; k < count; ++k) {
+    const uint16_t* src = in + k * G;
+    auto lo = SortableKey(d16, hn::LoadU(d16, src));
+    auto hi = lo;
+    for (size_t j = N16; j < G; j += N16) {
+      const auto key = SortableKey(d16, hn::LoadU(d16, src + j));
+      lo = hn::Min(lo, key);
+      hi = hn::Max(hi, key);
+    }
+    mn[k] = KeyToHalf(MinLane(d16, lo));
+    mx[k] = KeyToHalf(static_cast<uint16_t>(~MinLane(d16, hn::Not(hi))));
+  }
+}
+
+inline void GroupMinMaxScalar(const uint16_t* in, size_t G, size_t count,
+                              uint16_t* mn, uint16_t* mx) {
+  for (size_t k = 0; k < count; ++k) {
+    uint16_t lo = 0xFFFF, hi = 0;
+    for (size_t j = 0; j < G; ++j) {
+      const uint16_t key = HalfToKey(in[k * G + j]);
+      lo = std::min(lo, key);
+      hi = std::max(hi, key);
+    }
+    mn[k] = KeyToHalf(lo);
+    mx[k] = KeyToHalf(hi);
+  }
+}
+
 // Values: groups of G consecutive channels; group k is elements
-// [k*G, k*G + G) of the section.
+// [k*G, k*G + G) of the section. Per batch of groups: extremes, then zero
+// points and scales vectorized across groups, then the codes.
 template <uint32_t kBits, class DF>
 void EncodeKiviValues(DF df, const Section& s, const uint16_t* in,
                       uint8_t* out) {
@@ -599,43 +712,87 @@ void EncodeKiviValues(DF df, const Section& s, const uint16_t* in,
   uint8_t* scales = out + 2 * groups;
   uint8_t* codes = out + 4 * groups;
   const hn::Rebind<uint16_t, DF> d16;
+  const hn::Repartition<uint8_t, decltype(d16)> d16b;
   const hn::Rebind<uint8_t, DF> d8;
   const size_t N = hn::Lanes(df);
   const float qmax_f = static_cast<float>((1u << kBits) - 1u);
   const auto qmax = hn::Set(df, qmax_f);
-  const size_t batch = std::max<size_t>(1, 4096 / G);  // groups per stage
+  const auto pos_zero = hn::Zero(df);
+  // Groups per batch: about 4096 values, a multiple of N groups.
+  const size_t batch = std::max<size_t>(N, (4096 / G) / N * N);
   Scratch& scratch = GetScratch();
   uint8_t* stage = Sized(scratch.stage, batch * G);
+  uint16_t* mn_h = Sized(scratch.u16, 2 * batch);
+  uint16_t* mx_h = mn_h + batch;
+  float* zf = Sized(scratch.f0, batch);
+  float* sf = Sized(scratch.f1, batch);
+  float* rf = Sized(scratch.f2, batch);
+  const hn::ScalableTag<uint16_t> du16_full;
+  const hn::CappedTag<uint16_t, 16> du16_16;
+  const hn::CappedTag<uint16_t, 8> du16_8;
   for (size_t k0 = 0; k0 < groups; k0 += batch) {
-    const size_t k1 = std::min(groups, k0 + batch);
-    for (size_t k = k0; k < k1; ++k) {
-      const uint16_t* src = in + k * G;
-      auto vmn = HalfToF32(df, hn::LoadU(d16, src));
-      auto vmx = vmn;
-      for (size_t j = N; j < G; j += N) {
-        const auto x = HalfToF32(df, hn::LoadU(d16, src + j));
-        vmn = hn::Min(vmn, x);
-        vmx = hn::Max(vmx, x);
-      }
-      // A zero min or max is +0.
-      const float lo = hn::GetLane(hn::MinOfLanes(df, vmn)) + 0.0f;
-      const float hi = hn::GetLane(hn::MaxOfLanes(df, vmx)) + 0.0f;
-      const uint16_t zh = HalfFromFloat(lo);
-      const uint16_t sh = HalfFromFloat((hi - lo) / qmax_f);
-      StoreLe16(zeros + 2 * k, zh);
-      StoreLe16(scales + 2 * k, sh);
-      const auto zero = hn::Set(df, HalfToFloat(zh));
-      const float scale_f = HalfToFloat(sh);
-      const auto scale = hn::Set(df, scale_f);
-      const auto rcp = hn::Set(df, 1.0f / scale_f);
-      uint8_t* dst = stage + (k - k0) * G;
+    const size_t count = std::min(groups - k0, batch);
+    const uint16_t* src = in + k0 * G;
+    if (G % hn::Lanes(du16_full) == 0) {
+      GroupMinMax(du16_full, src, G, count, mn_h, mx_h);
+    } else if (G % hn::Lanes(du16_16) == 0) {
+      GroupMinMax(du16_16, src, G, count, mn_h, mx_h);
+    } else if (G % hn::Lanes(du16_8) == 0) {
+      GroupMinMax(du16_8, src, G, count, mn_h, mx_h);
+    } else {
+      GroupMinMaxScalar(src, G, count, mn_h, mx_h);
+    }
+    // zero = half(mn), scale = half((mx - mn) / (2^b - 1)); a zero min or
+    // max is +0.
+    size_t k = 0;
+    for (; k + N <= count; k += N) {
+      const auto lo =
+          hn::Add(HalfToF32(df, hn::LoadU(d16, mn_h + k)), pos_zero);
+      const auto hi =
+          hn::Add(HalfToF32(df, hn::LoadU(d16, mx_h + k)), pos_zero);
+      const auto zh = F32ToHalf(df, lo);
+      const auto sh = F32ToHalf(df, hn::Div(hn::Sub(hi, lo), qmax));
+      hn::StoreU(hn::BitCast(d16b, zh), d16b, zeros + 2 * (k0 + k));
+      hn::StoreU(hn::BitCast(d16b, sh), d16b, scales + 2 * (k0 + k));
+      hn::Vec<DF> divisor, rcp;
+      KiviDivisor(df, HalfToF32(df, sh), divisor, rcp);
+      hn::StoreU(HalfToF32(df, zh), df, zf + k);
+      hn::StoreU(divisor, df, sf + k);
+      hn::StoreU(rcp, df, rf + k);
+    }
+    // The last count % N groups: the same operations on one lane.
+    const hn::CappedTag<float, 1> d1;
+    const hn::Rebind<uint16_t, decltype(d1)> d1_16;
+    for (; k < count; ++k) {
+      const auto lo =
+          hn::Add(HalfToF32(d1, hn::Set(d1_16, mn_h[k])), hn::Zero(d1));
+      const auto hi =
+          hn::Add(HalfToF32(d1, hn::Set(d1_16, mx_h[k])), hn::Zero(d1));
+      const auto zh = F32ToHalf(d1, lo);
+      const auto sh =
+          F32ToHalf(d1, hn::Div(hn::Sub(hi, lo), hn::Set(d1, qmax_f)));
+      StoreLe16(zeros + 2 * (k0 + k), hn::GetLane(zh));
+      StoreLe16(scales + 2 * (k0 + k), hn::GetLane(sh));
+      hn::Vec<decltype(d1)> divisor, rcp;
+      KiviDivisor(d1, HalfToF32(d1, sh), divisor, rcp);
+      zf[k] = hn::GetLane(HalfToF32(d1, zh));
+      sf[k] = hn::GetLane(divisor);
+      rf[k] = hn::GetLane(rcp);
+    }
+    for (k = 0; k < count; ++k) {
+      const auto zero = hn::Set(df, zf[k]);
+      const auto divisor = hn::Set(df, sf[k]);
+      const auto rcp = hn::Set(df, rf[k]);
+      const uint16_t* g = src + k * G;
+      uint8_t* dst = stage + k * G;
       for (size_t j = 0; j < G; j += N) {
-        const auto x = HalfToF32(df, hn::LoadU(d16, src + j));
-        hn::StoreU(hn::DemoteTo(d8, KiviCode(df, x, zero, scale, rcp, qmax)),
-                   d8, dst + j);
+        const auto x = HalfToF32(df, hn::LoadU(d16, g + j));
+        hn::StoreU(
+            hn::TruncateTo(d8, KiviCode(df, x, zero, divisor, rcp, qmax)), d8,
+            dst + j);
       }
     }
-    PackCodes<kBits>(stage, (k1 - k0) * G, codes + k0 * G * kBits / 8);
+    PackCodes<kBits>(stage, count * G, codes + k0 * G * kBits / 8);
   }
 }
 
@@ -753,6 +910,18 @@ void DecodeSectionImpl(const Section& s, const uint8_t* in, uint16_t* out) {
 #endif
 }
 
+void HeadAbsMaxImpl(const Section& s, const uint16_t* in, uint16_t* head_max) {
+#if HWY_TARGET == HWY_SCALAR
+  for (size_t h = 0; h < s.heads; ++h) head_max[h] = 0;
+  for (size_t i = 0; i < s.elements(); ++i) {
+    const size_t h = (i / s.dim) % s.heads;
+    head_max[h] = std::max<uint16_t>(head_max[h], in[i] & 0x7FFFu);
+  }
+#else
+  SectionHeadAbsMax(s, in, head_max);
+#endif
+}
+
 size_t FindNonFiniteHalfImpl(const uint16_t* in, size_t n) {
 #if HWY_TARGET == HWY_SCALAR
   return FindNonFiniteHalfReference(in, n);
@@ -780,6 +949,7 @@ namespace kvcache::kernels::internal {
 HWY_EXPORT(EncodeSectionImpl);
 HWY_EXPORT(DecodeSectionImpl);
 HWY_EXPORT(FindNonFiniteHalfImpl);
+HWY_EXPORT(HeadAbsMaxImpl);
 HWY_EXPORT(TargetNameImpl);
 HWY_EXPORT(DivisionMismatchesImpl);
 
@@ -799,6 +969,10 @@ void DecodeSectionSimd(const Section& s, const uint8_t* in, uint16_t* out) {
 
 size_t FindNonFiniteHalfSimd(const uint16_t* in, size_t n) {
   return HWY_DYNAMIC_DISPATCH(FindNonFiniteHalfImpl)(in, n);
+}
+
+void HeadAbsMaxSimd(const Section& s, const uint16_t* in, uint16_t* head_max) {
+  HWY_DYNAMIC_DISPATCH(HeadAbsMaxImpl)(s, in, head_max);
 }
 
 std::vector<int64_t> SimdTargets() {

@@ -224,7 +224,7 @@ std::vector<float> RandomSignificands(size_t n, uint32_t seed) {
 // IEEE division for the two ways the codecs divide: an fp16 dividend by any
 // fp32 scale (fp8), any fp32 dividend by an fp16 scale (KIVI). The sequence
 // is scale invariant, so significand pairs are what matters; the exhaustive
-// version of this test (below, disabled: about a minute) covers all of them.
+// test below covers all of them.
 TEST(SimdDivisionTest, SampledSignificandPairsAndRanges) {
   const std::vector<float> halves = HalfSignificands();
   const std::vector<float> floats = RandomSignificands(1 << 14, 3);
@@ -254,9 +254,10 @@ TEST(SimdDivisionTest, SampledSignificandPairsAndRanges) {
   ForceSimdTargetForTest(0);
 }
 
-// Every pair: 2^23 fp32 significands x 2^10 fp16 significands, both ways.
-// Run with --gtest_also_run_disabled_tests.
-TEST(SimdDivisionTest, DISABLED_ExhaustiveSignificandPairs) {
+// Every pair: 2^23 fp32 significands x 2^10 fp16 significands, both ways
+// (about 10 s): together with scale invariance, a proof that the SIMD
+// division equals IEEE division for every input the codecs divide.
+TEST(SimdDivisionTest, ExhaustiveSignificandPairs) {
   const std::vector<float> halves = HalfSignificands();
   std::vector<float> floats(1u << 23);
   for (uint32_t m = 0; m < (1u << 23); ++m) {

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/codec_cuda_index.h"
 #include "kernels/cuda/codec_cuda_kernels.h"
 #include "kernels/fp8.h"
 #include "kernels/half.h"
@@ -78,7 +79,7 @@ __device__ inline uint16_t Fp8DecodeToHalf(uint8_t code, float scale) {
   return ToHalf(__fmul_rn(v, scale));
 }
 
-// Indices within a section are 32-bit (ValidatePolicy keeps T*H*D < 2^32;
+// Indices within a section are 32-bit (ValidatePolicy keeps T*H*D < 2^31;
 // 64-bit division is slow on GPUs); offsets of sections are 64-bit. The grid
 // is at most 2^16 x 256 threads wide.
 __device__ inline uint32_t GridStart() {
@@ -135,8 +136,9 @@ __global__ void EncodeFp8Kernel(DevicePlan p) {
     if (threadIdx.x == 0) amax_bits = 0;
     __syncthreads();
     unsigned int m = 0;
-    for (uint32_t k = threadIdx.x; k < per_head; k += blockDim.x) {
-      const uint32_t e = ((k / D) * H + h) * D + k % D;
+    RowWalker w(threadIdx.x, blockDim.x, D);
+    for (uint32_t k = threadIdx.x; k < per_head; k += blockDim.x, w.Next()) {
+      const uint32_t e = (w.row * H + h) * D + w.col;
       const uint16_t x = in[e];
       if (HalfIsNonFinite(x))
         ReportBad(p.first_bad, block, uint64_t{sec} * n + e);
@@ -154,8 +156,9 @@ __global__ void EncodeFp8Kernel(DevicePlan p) {
     codes = out;
   }
   // code = fp8_rne_satfinite(float(x) / scale)
-  for (uint32_t k = threadIdx.x; k < per_head; k += blockDim.x) {
-    const uint32_t e = ((k / D) * H + h) * D + k % D;
+  RowWalker w(threadIdx.x, blockDim.x, D);
+  for (uint32_t k = threadIdx.x; k < per_head; k += blockDim.x, w.Next()) {
+    const uint32_t e = (w.row * H + h) * D + w.col;
     const uint16_t x = in[e];
     if (p.static_scales != nullptr && HalfIsNonFinite(x)) {
       ReportBad(p.first_bad, block, uint64_t{sec} * n + e);
@@ -164,35 +167,30 @@ __global__ void EncodeFp8Kernel(DevicePlan p) {
   }
 }
 
-// One thread per element.
+// One thread block per (block, section, kv head).
 template <uint32_t kCodec>
 __global__ void DecodeFp8Kernel(DevicePlan p) {
   const uint32_t block = blockIdx.z;
   const uint32_t sec = p.codec_sections[blockIdx.y];
+  const uint32_t h = blockIdx.x;
   const uint32_t n = static_cast<uint32_t>(p.section_elems);
   const uint32_t H = p.heads, D = p.dim;
+  const uint32_t per_head = p.tokens * D;
   const uint8_t* in = p.encoded[block] + p.out_offsets[sec];
   const uint8_t* codes = p.static_scales == nullptr ? in + 4 * H : in;
   uint16_t* out = p.fp16[block] + uint64_t{sec} * n;
-  for (uint32_t e = GridStart(); e < n; e += GridStride()) {
-    const uint32_t h = (e / D) % H;
-    const float scale = p.static_scales == nullptr
-                            ? FloatFromBits(LoadLe32(in + 4 * h))
-                            : p.static_scales[sec * H + h];
+  const float scale = p.static_scales == nullptr
+                          ? FloatFromBits(LoadLe32(in + 4 * h))
+                          : p.static_scales[sec * H + h];
+  RowWalker w(threadIdx.x, blockDim.x, D);
+  for (uint32_t k = threadIdx.x; k < per_head; k += blockDim.x, w.Next()) {
+    const uint32_t e = (w.row * H + h) * D + w.col;
     // x' = half_rne(float(code) * scale)
     out[e] = Fp8DecodeToHalf<kCodec>(codes[e], scale);
   }
 }
 
 // ---- KIVI ------------------------------------------------------------------
-
-// Metadata index of the group of element e of a section.
-__device__ inline uint32_t KiviGroup(const DevicePlan& p, bool key,
-                                     uint32_t e) {
-  const uint32_t HD = p.heads * p.dim;
-  if (key) return (e / HD / p.group) * HD + e % HD;
-  return e / p.group;
-}
 
 // One thread per group: min, max, zero point and scale.
 template <uint32_t kBits>
@@ -246,15 +244,22 @@ __global__ void KiviCodesKernel(DevicePlan p) {
   const uint8_t* zeros = p.encoded[block] + p.out_offsets[sec];
   const uint8_t* scales = zeros + 2 * groups;
   uint8_t* codes = p.encoded[block] + p.out_offsets[sec] + 4 * groups;
+  const uint32_t HD = p.heads * p.dim;
   for (uint32_t i = GridStart(); i < bytes; i += GridStride()) {
     uint32_t packed = 0;
-    for (uint32_t u = 0; u < kPerByte; ++u) {
+    KiviGroupWalker w(key, HD, p.group, i * kPerByte);
+    uint32_t last = ~0u;
+    float zero = 0.0f, scale = 0.0f;
+    for (uint32_t u = 0; u < kPerByte; ++u, w.Next()) {
       const uint64_t e64 = uint64_t{i} * kPerByte + u;
       if (e64 >= n) break;
       const uint32_t e = static_cast<uint32_t>(e64);
-      const uint32_t g = KiviGroup(p, key, e);
-      const float zero = FromHalf(LoadLe16(zeros + 2 * g));
-      const float scale = FromHalf(LoadLe16(scales + 2 * g));
+      const uint32_t g = w.group();
+      if (g != last) {
+        zero = FromHalf(LoadLe16(zeros + 2 * g));
+        scale = FromHalf(LoadLe16(scales + 2 * g));
+        last = g;
+      }
       uint32_t code = 0;
       if (scale != 0.0f) {
         // clamp(rint((x - zero) / scale), 0, 2^b - 1)
@@ -283,15 +288,22 @@ __global__ void KiviDecodeKernel(DevicePlan p) {
   const uint8_t* scales = zeros + 2 * groups;
   const uint8_t* codes = zeros + 4 * groups;
   uint16_t* out = p.fp16[block] + uint64_t{sec} * n;
+  const uint32_t HD = p.heads * p.dim;
   for (uint32_t i = GridStart(); i < bytes; i += GridStride()) {
     const uint32_t packed = codes[i];
-    for (uint32_t u = 0; u < kPerByte; ++u) {
+    KiviGroupWalker w(key, HD, p.group, i * kPerByte);
+    uint32_t last = ~0u;
+    float zero = 0.0f, scale = 0.0f;
+    for (uint32_t u = 0; u < kPerByte; ++u, w.Next()) {
       const uint64_t e64 = uint64_t{i} * kPerByte + u;
       if (e64 >= n) break;
       const uint32_t e = static_cast<uint32_t>(e64);
-      const uint32_t g = KiviGroup(p, key, e);
-      const float zero = FromHalf(LoadLe16(zeros + 2 * g));
-      const float scale = FromHalf(LoadLe16(scales + 2 * g));
+      const uint32_t g = w.group();
+      if (g != last) {
+        zero = FromHalf(LoadLe16(zeros + 2 * g));
+        scale = FromHalf(LoadLe16(scales + 2 * g));
+        last = g;
+      }
       const uint32_t code = (packed >> (u * kBits)) & kMask;
       // x' = half_rne(float(code) * scale + zero): multiply, round, add,
       // round.
@@ -354,10 +366,12 @@ cudaError_t LaunchDecode(const DevicePlan& p, cudaStream_t stream) {
     const uint32_t s = p.num_codec_sections, b = p.num_blocks;
     switch (p.codec) {
       case kFp8E4M3:
-        DecodeFp8Kernel<kFp8E4M3><<<Grid(n, s, b), kThreads, 0, stream>>>(p);
+        DecodeFp8Kernel<kFp8E4M3>
+            <<<dim3(p.heads, s, b), kThreads, 0, stream>>>(p);
         break;
       case kFp8E5M2:
-        DecodeFp8Kernel<kFp8E5M2><<<Grid(n, s, b), kThreads, 0, stream>>>(p);
+        DecodeFp8Kernel<kFp8E5M2>
+            <<<dim3(p.heads, s, b), kThreads, 0, stream>>>(p);
         break;
       case kKivi2:
         KiviDecodeKernel<2>
