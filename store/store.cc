@@ -44,6 +44,7 @@ struct Store::Namespace {
   uint32_t pages_per_residual_block = 0;
   std::atomic<uint64_t> blocks{0};
   std::atomic<uint64_t> residual_blocks{0};
+  std::atomic<uint64_t> stored_pages{0};
 
   Codec codec() const { return info.config.policy.codec; }
 };
@@ -424,6 +425,7 @@ void Store::AccountAdd(const Entry& entry, int sign) {
   add(used_payload_bytes_,
       residual ? ns->info.fp16_block_bytes : ns->info.encoded_block_bytes);
   add(ns->blocks, 1);
+  add(ns->stored_pages, entry.pages.count);
   if (residual) add(ns->residual_blocks, 1);
 }
 
@@ -1243,6 +1245,8 @@ StoreStats Store::Stats() const {
     n.blocks = ns.blocks;
     n.tokens = n.blocks * ns.info.config.shape.tokens_per_block;
     n.residual_blocks = ns.residual_blocks;
+    n.stored_bytes = ns.stored_pages * page;
+    n.logical_bytes = n.blocks * ns.info.fp16_block_bytes;
     const kernels::BlockShape& shape = ns.info.config.shape;
     for (Codec codec : kernels::kAllCodecs) {
       kernels::CodecPolicy policy;

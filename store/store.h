@@ -158,6 +158,8 @@ struct NamespaceStats {
   uint64_t blocks = 0;
   uint64_t tokens = 0;
   uint64_t residual_blocks = 0;  // kept fp16 by the KIVI residual window
+  uint64_t stored_bytes = 0;     // pages its blocks hold
+  uint64_t logical_bytes = 0;    // fp16 bytes its blocks stand for
   std::array<uint64_t, kNumCodecs> tokens_that_fit{};  // by codec index
 };
 
