@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/ucx/client_plane.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 
@@ -76,16 +79,206 @@ absl::Status DecodeRaw(const GetResult& result, const BlockData& block,
       fp16_out);
 }
 
+namespace {
+
+// The metadata of a BeginRead answer: shape, policy, and the blocks' keys,
+// codecs and formats (bytes left empty).
+GetResult MetadataFrom(const v1::BeginReadResponse& response) {
+  GetResult result;
+  const v1::Layout& l = response.layout();
+  result.shape = {l.num_layers(), l.num_kv_heads(), l.head_dim(),
+                  l.tokens_per_block()};
+  const v1::CodecPolicy& p = response.codec_policy();
+  result.policy.codec = CodecFromProto(p.codec());
+  result.policy.fp16_layers.assign(p.fp16_layers().begin(),
+                                   p.fp16_layers().end());
+  result.policy.scale_mode = static_cast<ScaleMode>(p.scale_mode());
+  result.policy.static_k_scales.assign(p.static_k_scales().begin(),
+                                       p.static_k_scales().end());
+  result.policy.static_v_scales.assign(p.static_v_scales().begin(),
+                                       p.static_v_scales().end());
+  result.policy.kivi_group_size = p.kivi_group_size();
+  for (const v1::BlockData& b : response.blocks()) {
+    BlockData block;
+    block.key = b.key();
+    block.codec = CodecFromProto(b.codec());
+    block.format = b.format() == v1::READ_FORMAT_RAW ? ReadFormat::kRaw
+                                                     : ReadFormat::kFp16;
+    result.blocks.push_back(std::move(block));
+  }
+  return result;
+}
+
+bool OverDataPlane(const v1::BeginReadResponse& response) {
+  return response.has_data_plane() &&
+         !response.data_plane().ucx_address().empty();
+}
+
+// Layer reports a data-plane read of `response` ends with.
+uint32_t PlaneLayers(const v1::BeginReadResponse& response) {
+  int layers = 1;
+  for (const v1::BlockData& b : response.blocks()) {
+    layers = std::max(layers, b.layer_end_offsets_size());
+  }
+  return static_cast<uint32_t>(layers);
+}
+
+// The host part of a gRPC target ("dns:///host:port", "ipv4:host:port",
+// "host:port", "[v6]:port").
+std::string TargetHost(absl::string_view target) {
+  if (size_t slash = target.rfind('/'); slash != absl::string_view::npos) {
+    target = target.substr(slash + 1);
+  }
+  for (absl::string_view scheme : {"ipv4:", "ipv6:", "dns:"}) {
+    if (absl::StartsWith(target, scheme)) target.remove_prefix(scheme.size());
+  }
+  size_t colon = target.rfind(':');
+  if (colon == absl::string_view::npos) return std::string(target);
+  if (target.front() == '[' || target.find(':') == colon) {
+    return std::string(target.substr(0, colon));
+  }
+  return std::string(target);  // a bare IPv6 address without a port
+}
+
+}  // namespace
+
 struct Client::Impl {
   ClientOptions options;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::KvCache::Stub> stub;
 
+  std::mutex plane_mu;
+  std::unique_ptr<ucx::ClientPlane> plane;  // guarded by plane_mu; lazy
+  absl::Status plane_error;                 // guarded by plane_mu; sticky
+
   void Prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(std::chrono::system_clock::now() +
                       absl::ToChronoMilliseconds(options.timeout));
   }
+  absl::Time Deadline() const { return absl::Now() + options.timeout; }
+
+  // Whether to ask the node for the data plane: not with kGrpc, nor once
+  // UCX could not start in this process (kAuto falls back for good then).
+  bool WantDataPlane() {
+    if (options.data_plane == DataPlane::kGrpc) return false;
+    std::lock_guard<std::mutex> lock(plane_mu);
+    return plane_error.ok();
+  }
+
+  // The UCX side of this client, started on first use.
+  absl::StatusOr<ucx::ClientPlane*> Plane() {
+    std::lock_guard<std::mutex> lock(plane_mu);
+    if (plane != nullptr) return plane.get();
+    if (!plane_error.ok()) return plane_error;
+    absl::StatusOr<std::unique_ptr<ucx::ClientPlane>> created =
+        ucx::ClientPlane::Create();
+    if (!created.ok()) {
+      plane_error = absl::UnavailableError(absl::StrCat(
+          "cannot start UCX in this process: ", created.status().message()));
+      return plane_error;
+    }
+    plane = *std::move(created);
+    return plane.get();
+  }
+
+  // How to reach the node's data plane; a listener advertised as ":port"
+  // is on the host of the gRPC target.
+  ucx::NodeAddress Resolve(const v1::DataPlaneInfo& info) const {
+    ucx::NodeAddress address;
+    address.listener = info.ucx_address();
+    if (!address.listener.empty() && address.listener.front() == ':') {
+      address.listener = TargetHost(options.target) + address.listener;
+    }
+    address.worker = info.worker_address();
+    return address;
+  }
+
+  absl::StatusOr<v1::BeginReadResponse> BeginRead(
+      const std::string& ns, const std::vector<std::string>& keys,
+      ReadFormat format, uint64_t pin_lease, bool inline_data) {
+    v1::BeginReadRequest request;
+    request.set_namespace_name(ns);
+    for (const std::string& k : keys) request.add_keys(k);
+    request.set_format(format == ReadFormat::kRaw ? v1::READ_FORMAT_RAW
+                                                  : v1::READ_FORMAT_FP16);
+    request.set_pin_lease_id(pin_lease);
+    request.set_inline_data(inline_data);
+    v1::BeginReadResponse response;
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    absl::Status st = FromGrpc(stub->BeginRead(&ctx, request, &response), ctx);
+    if (!st.ok()) return st;
+    if (response.blocks_size() != static_cast<int>(keys.size())) {
+      return absl::InternalError(absl::StrCat("asked for ", keys.size(),
+                                              " blocks, node sent ",
+                                              response.blocks_size()));
+    }
+    return response;
+  }
+
+  // Ends a read lease whose bytes will not be fetched (best effort: the
+  // node reaps it at its TTL anyway).
+  void AbandonRead(uint64_t read_id) {
+    v1::EndReadRequest request;
+    request.set_lease_id(read_id);
+    v1::EndReadResponse response;
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    stub->EndRead(&ctx, request, &response);
+  }
+
+  // Starts the transfer of a data-plane read into `region`, block i at
+  // region->data() + offsets[i].
+  absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> StartRead(
+      ucx::ClientPlane* ucx_plane, const v1::BeginReadResponse& response,
+      std::unique_ptr<ucx::MemoryRegion> region,
+      const std::vector<uint64_t>& offsets, bool per_layer) {
+    absl::StatusOr<ucx::Token> token =
+        ucx::TokenFromBytes(response.data_plane().token());
+    if (!token.ok()) return token.status();
+    std::vector<uint64_t> destinations;
+    const uint64_t base = reinterpret_cast<uintptr_t>(region->data());
+    for (uint64_t offset : offsets) destinations.push_back(base + offset);
+    return ucx_plane->StartRead(Resolve(response.data_plane()),
+                                response.read_id(), *token, std::move(region),
+                                destinations, PlaneLayers(response), per_layer);
+  }
 };
+
+struct PendingRead::Impl {
+  GetResult metadata;
+  std::vector<BlockPlacement> placements;
+  absl::Time deadline;
+  uint32_t plane_layers = 1;
+  std::unique_ptr<ucx::ClientPlane::Read> read;  // null: inline, all there
+};
+
+PendingRead::PendingRead(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+PendingRead::~PendingRead() = default;
+
+absl::Status PendingRead::WaitLayer(uint32_t layer) {
+  if (layer >= num_layers()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " of a ", num_layers(), "-layer block"));
+  }
+  if (impl_->read == nullptr) return absl::OkStatus();
+  return impl_->read->WaitLayers(std::min(layer + 1, impl_->plane_layers),
+                                 impl_->deadline);
+}
+
+absl::Status PendingRead::Wait() {
+  if (impl_->read == nullptr) return absl::OkStatus();
+  return impl_->read->WaitLayers(impl_->plane_layers, impl_->deadline);
+}
+
+uint32_t PendingRead::num_layers() const {
+  return std::max<uint32_t>(1, impl_->metadata.shape.num_layers);
+}
+const GetResult& PendingRead::metadata() const { return impl_->metadata; }
+const std::vector<BlockPlacement>& PendingRead::placements() const {
+  return impl_->placements;
+}
+bool PendingRead::over_data_plane() const { return impl_->read != nullptr; }
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
@@ -185,6 +378,7 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
     }
     v1::BeginWriteRequest begin_request;
     begin_request.set_namespace_name(ns);
+    begin_request.set_use_data_plane(impl_->WantDataPlane());
     for (size_t i = begin; i < end; ++i) {
       v1::BlockRef* ref = begin_request.add_blocks();
       ref->set_key(blocks[i].key);
@@ -200,14 +394,61 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
           impl_->stub->BeginWrite(&ctx, begin_request, &begin_response), ctx);
       if (!st.ok()) return st;
     }
+    auto present = [&](size_t local) {
+      return local < static_cast<size_t>(begin_response.present_size()) &&
+             begin_response.present(static_cast<int>(local));
+    };
+    // Ends the write lease at once (best effort: its TTL ends it anyway).
+    auto abort = [&] {
+      v1::AbortWriteRequest request;
+      request.set_write_id(begin_response.write_id());
+      v1::AbortWriteResponse response;
+      grpc::ClientContext ctx;
+      impl_->Prepare(&ctx);
+      impl_->stub->AbortWrite(&ctx, request, &response);
+    };
+    bool sent = false;  // the bytes went over the data plane
+    if (begin_response.has_data_plane() &&
+        !begin_response.data_plane().ucx_address().empty()) {
+      std::vector<ucx::ClientPlane::Block> sends;
+      for (size_t i = begin; i < end; ++i) {
+        if (present(i - begin)) continue;
+        sends.push_back(
+            {static_cast<uint32_t>(i - begin),
+             absl::MakeConstSpan(
+                 reinterpret_cast<const uint8_t*>(blocks[i].fp16.data()),
+                 blocks[i].fp16.size() * sizeof(uint16_t))});
+      }
+      absl::Status st = [&]() -> absl::Status {
+        absl::StatusOr<ucx::ClientPlane*> ucx_plane = impl_->Plane();
+        if (!ucx_plane.ok()) return ucx_plane.status();
+        absl::StatusOr<ucx::Token> token =
+            ucx::TokenFromBytes(begin_response.data_plane().token());
+        if (!token.ok()) return token.status();
+        return (*ucx_plane)
+            ->SendBlocks(impl_->Resolve(begin_response.data_plane()),
+                         begin_response.write_id(), *token, sends,
+                         impl_->Deadline());
+      }();
+      sent = st.ok();
+      // kAuto: a data plane this process cannot reach sends inline with
+      // the same lease (the node drops the staging then). Anything else
+      // ends the write.
+      if (!st.ok() && (impl_->options.data_plane == DataPlane::kUcx ||
+                       st.code() != absl::StatusCode::kUnavailable)) {
+        abort();
+        return st;
+      }
+    } else if (impl_->options.data_plane == DataPlane::kUcx) {
+      abort();
+      return absl::FailedPreconditionError(
+          "the node offers no UCX data plane and the client requires one");
+    }
     v1::CommitWriteRequest commit;
     commit.set_write_id(begin_response.write_id());
-    for (size_t i = begin; i < end; ++i) {
+    for (size_t i = begin; i < end && !sent; ++i) {
       size_t local = i - begin;
-      if (local < static_cast<size_t>(begin_response.present_size()) &&
-          begin_response.present(static_cast<int>(local))) {
-        continue;
-      }
+      if (present(local)) continue;
       v1::BlockPayload* p = commit.add_payloads();
       p->set_index(static_cast<uint32_t>(local));
       p->set_fp16(reinterpret_cast<const char*>(blocks[i].fp16.data()),
@@ -230,48 +471,139 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
 absl::StatusOr<GetResult> Client::Get(const std::string& ns,
                                       const std::vector<std::string>& keys,
                                       ReadFormat format, uint64_t pin_lease) {
-  v1::BeginReadRequest request;
-  request.set_namespace_name(ns);
-  for (const std::string& k : keys) request.add_keys(k);
-  request.set_format(format == ReadFormat::kRaw ? v1::READ_FORMAT_RAW
-                                                : v1::READ_FORMAT_FP16);
-  request.set_pin_lease_id(pin_lease);
-  request.set_inline_data(true);
-  v1::BeginReadResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
-  absl::Status st =
-      FromGrpc(impl_->stub->BeginRead(&ctx, request, &response), ctx);
-  if (!st.ok()) return st;
-  GetResult result;
-  const v1::Layout& l = response.layout();
-  result.shape = {l.num_layers(), l.num_kv_heads(), l.head_dim(),
-                  l.tokens_per_block()};
-  const v1::CodecPolicy& p = response.codec_policy();
-  result.policy.codec = CodecFromProto(p.codec());
-  result.policy.fp16_layers.assign(p.fp16_layers().begin(),
-                                   p.fp16_layers().end());
-  result.policy.scale_mode = static_cast<ScaleMode>(p.scale_mode());
-  result.policy.static_k_scales.assign(p.static_k_scales().begin(),
-                                       p.static_k_scales().end());
-  result.policy.static_v_scales.assign(p.static_v_scales().begin(),
-                                       p.static_v_scales().end());
-  result.policy.kivi_group_size = p.kivi_group_size();
-  for (v1::BlockData& b : *response.mutable_blocks()) {
-    BlockData block;
-    block.key = std::move(*b.mutable_key());
-    block.codec = CodecFromProto(b.codec());
-    block.format = b.format() == v1::READ_FORMAT_RAW ? ReadFormat::kRaw
-                                                     : ReadFormat::kFp16;
-    block.bytes = std::move(*b.mutable_data());
-    result.blocks.push_back(std::move(block));
+  const bool want = impl_->WantDataPlane();
+  absl::StatusOr<v1::BeginReadResponse> response =
+      impl_->BeginRead(ns, keys, format, pin_lease, /*inline_data=*/!want);
+  if (!response.ok()) return response.status();
+  GetResult result = MetadataFrom(*response);
+  if (!OverDataPlane(*response)) {
+    if (want && impl_->options.data_plane == DataPlane::kUcx) {
+      return absl::FailedPreconditionError(
+          "the node offers no UCX data plane and the client requires one");
+    }
+    for (int i = 0; i < response->blocks_size(); ++i) {
+      result.blocks[i].bytes =
+          std::move(*response->mutable_blocks(i)->mutable_data());
+    }
+    return result;
   }
-  if (result.blocks.size() != keys.size()) {
-    return absl::InternalError(absl::StrCat("asked for ", keys.size(),
-                                            " blocks, node sent ",
-                                            result.blocks.size()));
+  // Over the data plane: into a region UCX allocates (shared memory where a
+  // transport offers it), then copied out into the result's strings.
+  std::vector<uint64_t> offsets;
+  uint64_t total = 0;
+  for (const v1::BlockData& b : response->blocks()) {
+    offsets.push_back(total);
+    total += (b.length() + 63) / 64 * 64;
   }
-  return result;
+  absl::Status st = [&]() -> absl::Status {
+    absl::StatusOr<ucx::ClientPlane*> ucx_plane = impl_->Plane();
+    if (!ucx_plane.ok()) return ucx_plane.status();
+    absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> region =
+        (*ucx_plane)->Allocate(std::max<uint64_t>(total, 64));
+    if (!region.ok()) return region.status();
+    const uint8_t* base = (*region)->data();
+    absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> read =
+        impl_->StartRead(*ucx_plane, *response, *std::move(region), offsets,
+                         /*per_layer=*/false);
+    if (!read.ok()) return read.status();
+    absl::Status done =
+        (*read)->WaitLayers((*read)->num_layers(), impl_->Deadline());
+    if (!done.ok()) return done;
+    for (int i = 0; i < response->blocks_size(); ++i) {
+      result.blocks[i].bytes.assign(
+          reinterpret_cast<const char*>(base + offsets[i]),
+          response->blocks(i).length());
+    }
+    return absl::OkStatus();
+  }();
+  if (st.ok()) return result;
+  // kAuto: when the data plane cannot be reached, read inline instead (a
+  // pin lease, if any, was taken over by the first attempt).
+  impl_->AbandonRead(response->read_id());
+  if (impl_->options.data_plane == DataPlane::kAuto &&
+      st.code() == absl::StatusCode::kUnavailable) {
+    absl::StatusOr<v1::BeginReadResponse> again =
+        impl_->BeginRead(ns, keys, format, 0, /*inline_data=*/true);
+    if (!again.ok()) return again.status();
+    GetResult inline_result = MetadataFrom(*again);
+    for (int i = 0; i < again->blocks_size(); ++i) {
+      inline_result.blocks[i].bytes =
+          std::move(*again->mutable_blocks(i)->mutable_data());
+    }
+    return inline_result;
+  }
+  return st;
+}
+
+absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
+    const std::string& ns, const std::vector<std::string>& keys,
+    ReadFormat format, absl::Span<uint8_t> dest, size_t stride,
+    uint64_t pin_lease) {
+  if (keys.empty()) return absl::InvalidArgumentError("no keys to read");
+  if (stride == 0 || dest.size() / stride < keys.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a buffer of ", dest.size(), " bytes does not hold ",
+                     keys.size(), " blocks of stride ", stride));
+  }
+  const bool want = impl_->WantDataPlane();
+  absl::StatusOr<v1::BeginReadResponse> response =
+      impl_->BeginRead(ns, keys, format, pin_lease, /*inline_data=*/!want);
+  if (!response.ok()) return response.status();
+  const bool over_plane = OverDataPlane(*response);
+  auto impl = std::make_unique<PendingRead::Impl>();
+  impl->metadata = MetadataFrom(*response);
+  impl->deadline = impl_->Deadline();
+  impl->plane_layers = PlaneLayers(*response);
+  std::vector<uint64_t> offsets;
+  for (int i = 0; i < response->blocks_size(); ++i) {
+    const v1::BlockData& b = response->blocks(i);
+    BlockPlacement placement;
+    placement.offset = static_cast<uint64_t>(i) * stride;
+    placement.length = b.length();
+    placement.layer_ends.assign(b.layer_end_offsets().begin(),
+                                b.layer_end_offsets().end());
+    if (placement.layer_ends.empty())
+      placement.layer_ends.push_back(b.length());
+    if (b.length() > stride) {
+      if (over_plane) impl_->AbandonRead(response->read_id());
+      return absl::InvalidArgumentError(
+          absl::StrCat("block ", i, " has ", b.length(),
+                       " bytes, more than the stride of ", stride));
+    }
+    offsets.push_back(placement.offset);
+    impl->placements.push_back(std::move(placement));
+  }
+  if (!over_plane) {
+    if (want && impl_->options.data_plane == DataPlane::kUcx) {
+      return absl::FailedPreconditionError(
+          "the node offers no UCX data plane and the client requires one");
+    }
+    for (int i = 0; i < response->blocks_size(); ++i) {
+      const std::string& data = response->blocks(i).data();
+      std::memcpy(dest.data() + offsets[i], data.data(), data.size());
+    }
+    return std::make_unique<PendingRead>(std::move(impl));
+  }
+  absl::Status st = [&]() -> absl::Status {
+    absl::StatusOr<ucx::ClientPlane*> ucx_plane = impl_->Plane();
+    if (!ucx_plane.ok()) return ucx_plane.status();
+    // The caller's buffer is registered for this read only: its remote key
+    // dies with the read.
+    absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> region =
+        (*ucx_plane)->Register(dest.data(), keys.size() * stride);
+    if (!region.ok()) return region.status();
+    absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> read =
+        impl_->StartRead(*ucx_plane, *response, *std::move(region), offsets,
+                         /*per_layer=*/true);
+    if (!read.ok()) return read.status();
+    impl->read = *std::move(read);
+    return absl::OkStatus();
+  }();
+  if (!st.ok()) {
+    impl_->AbandonRead(response->read_id());
+    return st;
+  }
+  return std::make_unique<PendingRead>(std::move(impl));
 }
 
 absl::Status Client::Release(uint64_t pin_lease) {
@@ -319,6 +651,9 @@ absl::StatusOr<NodeStats> Client::Stats() {
     u.codec = CodecFromProto(n.codec());
     u.blocks = n.blocks();
     u.tokens = n.tokens();
+    u.stored_bytes = n.stored_bytes();
+    u.logical_bytes = n.logical_bytes();
+    u.residual_blocks = n.residual_blocks();
     u.tokens_that_fit.insert(n.tokens_that_fit().begin(),
                              n.tokens_that_fit().end());
     s.namespaces[n.name()] = std::move(u);

@@ -5,7 +5,7 @@
 # one namespace per codec), then prints what the node stores and what
 # quantization bought. The node keeps running for a look at /metrics when
 # KEEP_NODE=1; otherwise it is drained with SIGTERM at the end.
-# Environment: NODE_MEMORY (default host:1GiB), GRPC_PORT (50051),
+# Environment: NODE_MEMORY (default host:2GiB), GRPC_PORT (50051),
 # METRICS_PORT (9464), DEMO_ARGS (extra kvcache-demo flags).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -13,7 +13,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/build.sh" >/dev/null
 echo "demo: build done"
 
-memory=${NODE_MEMORY:-host:1GiB}
+memory=${NODE_MEMORY:-host:2GiB}
 grpc_port=${GRPC_PORT:-50051}
 metrics_port=${METRICS_PORT:-9464}
 log=$(mktemp)

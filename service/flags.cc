@@ -110,6 +110,26 @@ absl::Status ApplyFlag(absl::string_view name, absl::string_view value,
     }
     (name == "high-watermark" ? o.store.high_watermark
                               : o.store.low_watermark) = v;
+  } else if (name == "data-plane") {
+    if (value == "ucx") {
+      o.data_plane = DataPlaneMode::kUcx;
+    } else if (value == "none") {
+      o.data_plane = DataPlaneMode::kNone;
+    } else {
+      return Bad(name, value, "expected ucx or none");
+    }
+  } else if (name == "ucx-listen") {
+    if (value.rfind(':') == absl::string_view::npos) {
+      return Bad(name, value, "expected HOST:PORT");
+    }
+    o.ucx.listen = std::string(value);
+  } else if (name == "ucx-advertise") {
+    o.ucx.advertise_host = std::string(value);
+  } else if (name == "staging-bytes") {
+    absl::StatusOr<uint64_t> bytes = store::ParseByteSize(value);
+    if (!bytes.ok()) return bytes.status();
+    if (*bytes == 0) return Bad(name, value, "must be positive");
+    o.ucx.staging_bytes = *bytes;
   } else if (name == "drain-timeout") {
     return parse_seconds(&o.drain_timeout);
   } else if (name == "workers") {
@@ -149,6 +169,18 @@ Usage: kvcache-node [--flag=value ...]
   --high-watermark=FRACTION     above this pool usage, evict in the background
                                 (default 0.95; 1 turns it off) ...
   --low-watermark=FRACTION      ... down to this usage (default 0.90)
+  --data-plane=MODE             ucx: KV bytes travel over UCX when the
+                                client offers it; none (default): inline
+                                in gRPC messages only
+  --ucx-listen=HOST:PORT        UCX data-plane listener (default
+                                0.0.0.0:0, a free port; clients learn it
+                                through the control plane)
+  --ucx-advertise=HOST          host clients dial for the data plane
+                                (default: the --ucx-listen host; a wildcard
+                                host makes clients use their gRPC host)
+  --staging-bytes=BYTES         bound on data-plane staging: write blocks
+                                until commit, read copies until sent
+                                (default 256MiB)
   --drain-timeout=SECONDS       on SIGTERM, how long in-flight calls may
                                 finish (default 20)
   --workers=N                   threads for encode/decode (default: cores)

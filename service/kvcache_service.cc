@@ -1,5 +1,6 @@
 #include "service/kvcache_service.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -161,8 +162,25 @@ const char* GrpcCodeName(grpc::StatusCode code) {
 }
 
 KvCacheServiceImpl::KvCacheServiceImpl(store::Store* store, Metrics* metrics,
-                                       ThreadPool* workers)
-    : store_(store), metrics_(metrics), workers_(workers) {}
+                                       ThreadPool* workers,
+                                       ucx::DataPlane* data_plane)
+    : store_(store),
+      metrics_(metrics),
+      workers_(workers),
+      data_plane_(data_plane) {}
+
+void KvCacheServiceImpl::Finish(grpc::CallbackServerContext* ctx,
+                                grpc::ServerUnaryReactor* reactor,
+                                const char* op, absl::Time start,
+                                const absl::Status& status) {
+  if (status.code() == absl::StatusCode::kResourceExhausted) {
+    ctx->AddTrailingMetadata(kRetryAfterKey, kRetryAfterMs);
+  }
+  grpc::Status grpc_status = ToGrpcStatus(status);
+  metrics_->RecordRequest(op, GrpcCodeName(grpc_status.error_code()),
+                          absl::ToDoubleSeconds(absl::Now() - start));
+  reactor->Finish(grpc_status);
+}
 
 template <typename Fn>
 grpc::ServerUnaryReactor* KvCacheServiceImpl::Run(
@@ -176,13 +194,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Run(
     } else {
       status = fn();
     }
-    if (status.code() == absl::StatusCode::kResourceExhausted) {
-      ctx->AddTrailingMetadata(kRetryAfterKey, kRetryAfterMs);
-    }
-    grpc::Status grpc_status = ToGrpcStatus(status);
-    metrics_->RecordRequest(op, GrpcCodeName(grpc_status.error_code()),
-                            absl::ToDoubleSeconds(absl::Now() - start));
-    reactor->Finish(grpc_status);
+    Finish(ctx, reactor, op, start, status);
   };
   if (offload) {
     workers_->Schedule(std::move(work));
@@ -239,6 +251,19 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginWrite(
         store_->BeginWrite(request->namespace_name(), std::move(blocks),
                            Millis(request->lease_ttl_ms()));
     if (!r.ok()) return r.status();
+    if (request->use_data_plane() && data_plane_ != nullptr) {
+      // Staging for the blocks that will travel; none: no write at all.
+      absl::StatusOr<ucx::Token> token =
+          data_plane_->OpenWrite(*r, r->deadline);
+      if (!token.ok()) {
+        store_->AbortWrite(r->write_id).IgnoreError();
+        return token.status();
+      }
+      response->mutable_data_plane()->set_ucx_address(data_plane_->address());
+      response->mutable_data_plane()->set_worker_address(
+          data_plane_->worker_address());
+      response->mutable_data_plane()->set_token(ucx::TokenBytes(*token));
+    }
     response->set_write_id(r->write_id);
     for (bool present : r->present) response->add_present(present);
     response->set_fp16_block_bytes(r->fp16_block_bytes);
@@ -247,53 +272,134 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginWrite(
   });
 }
 
+absl::Status KvCacheServiceImpl::CommitInline(
+    const v1::CommitWriteRequest* request, v1::CommitWriteResponse* response) {
+  std::vector<store::Store::Payload> payloads;
+  uint64_t bytes = 0;
+  payloads.reserve(request->payloads_size());
+  for (const v1::BlockPayload& p : request->payloads()) {
+    payloads.push_back(
+        {p.index(),
+         absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(p.fp16().data()),
+                             p.fp16().size())});
+    bytes += p.fp16().size();
+  }
+  absl::StatusOr<store::CommitResult> r =
+      store_->CommitWrite(request->write_id(), payloads);
+  if (!r.ok()) return r.status();
+  metrics_->RecordTransfer("in", "grpc", bytes);
+  response->set_blocks_stored(r->stored);
+  response->set_blocks_skipped(r->skipped);
+  response->set_stored_bytes(r->stored_bytes);
+  return absl::OkStatus();
+}
+
 grpc::ServerUnaryReactor* KvCacheServiceImpl::CommitWrite(
     grpc::CallbackServerContext* ctx, const v1::CommitWriteRequest* request,
     v1::CommitWriteResponse* response) {
-  return Run(ctx, "commit_write", true, [=]() -> absl::Status {
-    std::vector<store::Store::Payload> payloads;
-    uint64_t bytes = 0;
-    payloads.reserve(request->payloads_size());
-    for (const v1::BlockPayload& p : request->payloads()) {
-      payloads.push_back(
-          {p.index(), absl::MakeConstSpan(
-                          reinterpret_cast<const uint8_t*>(p.fp16().data()),
-                          p.fp16().size())});
-      bytes += p.fp16().size();
+  if (data_plane_ != nullptr && request->payloads_size() == 0) {
+    // The bytes came (or are coming) over the data plane: the commit runs
+    // once they have all landed, bounded by this call's deadline.
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    absl::Time start = absl::Now();
+    auto finish = [this, ctx, reactor, start](const absl::Status& status) {
+      Finish(ctx, reactor, "commit_write", start, status);
+    };
+    bool handled = data_plane_->Commit(
+        request->write_id(), absl::FromChrono(ctx->deadline()),
+        [response, finish](absl::StatusOr<store::CommitResult> r) {
+          if (r.ok()) {
+            response->set_blocks_stored(r->stored);
+            response->set_blocks_skipped(r->skipped);
+            response->set_stored_bytes(r->stored_bytes);
+          }
+          finish(r.status());
+        });
+    if (!handled) {
+      // No data-plane session for this write: the inline path.
+      workers_->Schedule([this, request, response, finish] {
+        finish(CommitInline(request, response));
+      });
     }
-    absl::StatusOr<store::CommitResult> r =
-        store_->CommitWrite(request->write_id(), payloads);
-    if (!r.ok()) return r.status();
-    metrics_->RecordTransfer("in", "grpc", bytes);
-    response->set_blocks_stored(r->stored);
-    response->set_blocks_skipped(r->skipped);
-    response->set_stored_bytes(r->stored_bytes);
-    return absl::OkStatus();
-  });
+    return reactor;
+  }
+  if (data_plane_ != nullptr) {
+    data_plane_->Abort(request->write_id());  // inline bytes replace staging
+  }
+  return Run(ctx, "commit_write", true,
+             [=]() -> absl::Status { return CommitInline(request, response); });
 }
 
 grpc::ServerUnaryReactor* KvCacheServiceImpl::AbortWrite(
     grpc::CallbackServerContext* ctx, const v1::AbortWriteRequest* request,
     v1::AbortWriteResponse* response) {
   return Run(ctx, "abort_write", false, [=]() -> absl::Status {
+    if (data_plane_ != nullptr) data_plane_->Abort(request->write_id());
     return store_->AbortWrite(request->write_id());
   });
+}
+
+absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
+    const v1::BeginReadRequest* request, store::ReadFormat format,
+    v1::BeginReadResponse* response) {
+  // Staging for the verified copies the store hands over, reserved before
+  // they exist: a raw block is at most its fp16 size (KIVI's residual
+  // window keeps some blocks fp16).
+  absl::StatusOr<store::NamespaceInfo> ns =
+      store_->GetNamespace(request->namespace_name());
+  if (!ns.ok()) return ns.status();
+  const uint64_t per_block =
+      std::max(ns->fp16_block_bytes, ns->encoded_block_bytes);
+  absl::StatusOr<ucx::StagingReservation> reservation =
+      data_plane_->ReserveStaging(per_block * request->keys_size());
+  if (!reservation.ok()) return reservation.status();
+  absl::StatusOr<store::ReadResult> r = store_->BeginRead(
+      request->namespace_name(), Keys(request->keys()), format,
+      Millis(request->lease_ttl_ms()), request->pin_lease_id(),
+      /*keep_lease=*/true);
+  if (!r.ok()) return r.status();
+  std::vector<std::vector<uint64_t>> ends =
+      ucx::DataPlane::LayerEnds(*r, format);
+  for (size_t i = 0; i < r->blocks.size(); ++i) {
+    const store::ReadBlock& block = r->blocks[i];
+    v1::BlockData* out = response->add_blocks();
+    out->set_key(block.key);
+    out->set_codec(CodecToProto(block.codec));
+    out->set_format(request->format());
+    out->set_length(block.data.size());
+    for (uint64_t end : ends[i]) out->add_layer_end_offsets(end);
+  }
+  PolicyToProto(r->ns.config.policy, response->mutable_codec_policy());
+  response->mutable_codec_policy()->set_residual_tokens(
+      r->ns.config.residual_tokens);
+  LayoutToProto(r->ns.config.shape, response->mutable_layout());
+  const uint64_t lease_id = r->lease_id;
+  response->set_read_id(lease_id);
+  absl::StatusOr<ucx::Token> token = data_plane_->OpenRead(
+      *std::move(r), std::move(ends), *std::move(reservation),
+      data_plane_->LeaseDeadline(request->lease_ttl_ms()));
+  if (!token.ok()) {
+    store_->EndLease(lease_id).IgnoreError();
+    return token.status();
+  }
+  response->mutable_data_plane()->set_ucx_address(data_plane_->address());
+  response->mutable_data_plane()->set_worker_address(
+      data_plane_->worker_address());
+  response->mutable_data_plane()->set_token(ucx::TokenBytes(*token));
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
     grpc::CallbackServerContext* ctx, const v1::BeginReadRequest* request,
     v1::BeginReadResponse* response) {
   return Run(ctx, "begin_read", true, [=]() -> absl::Status {
-    if (!request->inline_data()) {
-      // Out-of-band delivery needs the UCX data plane, which this node does
-      // not run; the client falls back to inline data.
-      return absl::FailedPreconditionError(
-          "this node serves reads inline only (no data plane); set "
-          "inline_data");
-    }
     store::ReadFormat format = request->format() == v1::READ_FORMAT_RAW
                                    ? store::ReadFormat::kRaw
                                    : store::ReadFormat::kFp16;
+    // Without a data plane a node answers inline whatever was asked.
+    if (!request->inline_data() && data_plane_ != nullptr) {
+      return BeginDataPlaneRead(request, format, response);
+    }
     absl::StatusOr<store::ReadResult> r = store_->BeginRead(
         request->namespace_name(), Keys(request->keys()), format,
         Millis(request->lease_ttl_ms()), request->pin_lease_id(),
@@ -364,6 +470,9 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Stats(
       nc->set_codec(CodecToProto(ns.codec));
       nc->set_blocks(ns.blocks);
       nc->set_tokens(ns.tokens);
+      nc->set_stored_bytes(ns.stored_bytes);
+      nc->set_logical_bytes(ns.logical_bytes);
+      nc->set_residual_blocks(ns.residual_blocks);
       for (size_t c = 0; c < ns.tokens_that_fit.size(); ++c) {
         (*nc->mutable_tokens_that_fit())[std::string(
             kernels::CodecName(static_cast<Codec>(c)))] = ns.tokens_that_fit[c];

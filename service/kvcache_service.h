@@ -9,6 +9,7 @@
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "service/metrics.h"
 #include "service/thread_pool.h"
+#include "service/ucx/data_plane.h"
 #include "store/store.h"
 
 namespace kvcache::service {
@@ -20,8 +21,10 @@ const char* GrpcCodeName(grpc::StatusCode code);
 
 class KvCacheServiceImpl final : public kvcache::v1::KvCache::CallbackService {
  public:
-  KvCacheServiceImpl(store::Store* store, Metrics* metrics,
-                     ThreadPool* workers);
+  // data_plane: the node's UCX data plane, or null when it runs none (then
+  // every byte travels inline in gRPC messages).
+  KvCacheServiceImpl(store::Store* store, Metrics* metrics, ThreadPool* workers,
+                     ucx::DataPlane* data_plane = nullptr);
 
   grpc::ServerUnaryReactor* RegisterNamespace(
       grpc::CallbackServerContext* ctx,
@@ -56,10 +59,22 @@ class KvCacheServiceImpl final : public kvcache::v1::KvCache::CallbackService {
   template <typename Fn>
   grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx,
                                 const char* op, bool offload, Fn&& fn);
+  // Ends a call: retry hint, metrics, reactor->Finish.
+  void Finish(grpc::CallbackServerContext* ctx,
+              grpc::ServerUnaryReactor* reactor, const char* op,
+              absl::Time start, const absl::Status& status);
+  absl::Status CommitInline(const v1::CommitWriteRequest* request,
+                            v1::CommitWriteResponse* response);
+  // BeginRead over the data plane: pins, stages the copies, answers with
+  // lengths, layer offsets, the address and a token; no bytes.
+  absl::Status BeginDataPlaneRead(const v1::BeginReadRequest* request,
+                                  store::ReadFormat format,
+                                  v1::BeginReadResponse* response);
 
   store::Store* store_;
   Metrics* metrics_;
   ThreadPool* workers_;
+  ucx::DataPlane* data_plane_;
 };
 
 }  // namespace kvcache::service

@@ -1,6 +1,7 @@
 #include "service/metrics.h"
 
 #include <exception>
+#include <mutex>
 #include <sstream>
 #include <vector>
 
@@ -173,10 +174,67 @@ class Metrics::StoreCollector : public prometheus::Collectable {
   std::shared_ptr<std::atomic<bool>> ready_;
 };
 
+class Metrics::DataPlaneCollector : public prometheus::Collectable {
+ public:
+  void SetSource(std::function<DataPlaneGauges()> source) {
+    std::lock_guard<std::mutex> lock(mu_);
+    source_ = std::move(source);
+  }
+
+  std::vector<MetricFamily> Collect() const override {
+    std::function<DataPlaneGauges()> source;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      source = source_;
+    }
+    std::vector<MetricFamily> out;
+    if (!source) return out;
+    DataPlaneGauges g = source();
+    auto gauge = [&](const char* name, const char* help, double v) {
+      out.push_back(Family(name, help, MetricType::Gauge));
+      AddValue(&out.back(), v);
+    };
+    gauge("kvcache_data_plane_staging_capacity_bytes",
+          "Bytes the UCX data plane may hold for transfers (--staging-bytes).",
+          g.staging_capacity_bytes);
+    gauge("kvcache_data_plane_staging_used_bytes",
+          "Bytes the UCX data plane holds: write blocks awaiting commit and "
+          "read copies awaiting transfer.",
+          g.staging_used_bytes);
+    gauge("kvcache_data_plane_staging_cached_bytes",
+          "Freed staging buffers the UCX data plane keeps for reuse (within "
+          "--staging-bytes together with the used bytes).",
+          g.staging_cached_bytes);
+    gauge("kvcache_data_plane_connections", "Open UCX connections.",
+          g.connections);
+    MetricFamily sessions =
+        Family("kvcache_data_plane_sessions",
+               "Open data-plane sessions by kind.", MetricType::Gauge);
+    AddValue(&sessions, g.write_sessions, {{"kind", "write"}});
+    AddValue(&sessions, g.read_sessions, {{"kind", "read"}});
+    out.push_back(std::move(sessions));
+    out.push_back(Family("kvcache_data_plane_rejected_connections_total",
+                         "UCX connections closed for not presenting a valid "
+                         "token.",
+                         MetricType::Counter));
+    AddValue(&out.back(), g.rejected_connections);
+    return out;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::function<DataPlaneGauges()> source_;
+};
+
+void Metrics::SetDataPlaneSource(std::function<DataPlaneGauges()> source) {
+  data_plane_collector_->SetSource(std::move(source));
+}
+
 Metrics::Metrics(const store::Store* store)
     : registry_(std::make_shared<prometheus::Registry>()),
       ready_(std::make_shared<std::atomic<bool>>(false)) {
   store_collector_ = std::make_shared<StoreCollector>(store, ready_);
+  data_plane_collector_ = std::make_shared<DataPlaneCollector>();
   requests_ = &prometheus::BuildCounter()
                    .Name("kvcache_requests_total")
                    .Help("Control-plane requests by operation and gRPC code.")
@@ -199,7 +257,9 @@ Metrics::Metrics(const store::Store* store)
   // Series that exist before the first request, so dashboards and alerts
   // see zeros rather than gaps.
   for (const char* dir : {"in", "out"}) {
-    transfer_bytes_->Add({{"direction", dir}, {"transport", "grpc"}});
+    for (const char* transport : {"grpc", "ucx"}) {
+      transfer_bytes_->Add({{"direction", dir}, {"transport", transport}});
+    }
   }
 }
 
@@ -239,6 +299,7 @@ absl::StatusOr<int> Metrics::Serve(const std::string& listen) {
   }
   exposer_->RegisterCollectable(registry_);
   exposer_->RegisterCollectable(store_collector_);
+  exposer_->RegisterCollectable(data_plane_collector_);
   std::vector<int> ports = exposer_->GetListeningPorts();
   return ports.empty() ? 0 : ports.front();
 }
@@ -247,6 +308,8 @@ std::string Metrics::Render() const {
   std::vector<MetricFamily> families = registry_->Collect();
   std::vector<MetricFamily> store_families = store_collector_->Collect();
   families.insert(families.end(), store_families.begin(), store_families.end());
+  std::vector<MetricFamily> plane_families = data_plane_collector_->Collect();
+  families.insert(families.end(), plane_families.begin(), plane_families.end());
   return prometheus::TextSerializer().Serialize(families);
 }
 

@@ -8,6 +8,7 @@
 #define KVCACHE_SERVICE_METRICS_H_
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -33,6 +34,20 @@ class Metrics {
                       uint64_t bytes);
   void SetReady(bool ready) { ready_->store(ready); }
 
+  // The UCX data plane's state, read at scrape time.
+  struct DataPlaneGauges {
+    uint64_t staging_capacity_bytes = 0;
+    uint64_t staging_used_bytes = 0;
+    uint64_t staging_cached_bytes = 0;
+    uint64_t connections = 0;
+    uint64_t write_sessions = 0;
+    uint64_t read_sessions = 0;
+    uint64_t rejected_connections = 0;
+  };
+  // Without a source (no data plane) the kvcache_data_plane_* series are
+  // absent.
+  void SetDataPlaneSource(std::function<DataPlaneGauges()> source);
+
   // Starts serving /metrics on host:port (port 0 picks one). Returns the
   // bound port, or an error when the address cannot be bound.
   absl::StatusOr<int> Serve(const std::string& listen);
@@ -42,9 +57,11 @@ class Metrics {
 
  private:
   class StoreCollector;
+  class DataPlaneCollector;
 
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<StoreCollector> store_collector_;
+  std::shared_ptr<DataPlaneCollector> data_plane_collector_;
   std::shared_ptr<std::atomic<bool>> ready_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Histogram>* request_duration_;

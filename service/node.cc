@@ -35,8 +35,41 @@ absl::Status Node::Start() {
                     ? options_.worker_threads
                     : static_cast<int>(std::thread::hardware_concurrency());
   workers_ = std::make_unique<ThreadPool>(threads);
-  service_ = std::make_unique<KvCacheServiceImpl>(store_.get(), metrics_.get(),
-                                                  workers_.get());
+  if (options_.data_plane == DataPlaneMode::kUcx) {
+    ucx::DataPlaneOptions ucx_options = options_.ucx;
+    ucx_options.default_lease_ttl = options_.store.default_lease_ttl;
+    ucx_options.max_lease_ttl = options_.store.max_lease_ttl;
+    absl::StatusOr<std::unique_ptr<ucx::DataPlane>> plane =
+        ucx::DataPlane::Start(
+            ucx_options, store_.get(),
+            [pool = workers_.get()](std::function<void()> work) {
+              pool->Schedule(std::move(work));
+            },
+            [metrics = metrics_.get()](bool inbound, uint64_t bytes) {
+              metrics->RecordTransfer(inbound ? "in" : "out", "ucx", bytes);
+            });
+    if (!plane.ok()) {
+      return absl::Status(
+          plane.status().code(),
+          absl::StrCat("cannot start the UCX data plane on ",
+                       options_.ucx.listen, ": ", plane.status().message()));
+    }
+    data_plane_ = *std::move(plane);
+    metrics_->SetDataPlaneSource([plane = data_plane_.get()] {
+      ucx::DataPlaneStats s = plane->Stats();
+      Metrics::DataPlaneGauges g;
+      g.staging_capacity_bytes = s.staging_capacity_bytes;
+      g.staging_used_bytes = s.staging_used_bytes;
+      g.staging_cached_bytes = s.staging_cached_bytes;
+      g.connections = s.connections;
+      g.write_sessions = s.write_sessions;
+      g.read_sessions = s.read_sessions;
+      g.rejected_connections = s.rejected_connections;
+      return g;
+    });
+  }
+  service_ = std::make_unique<KvCacheServiceImpl>(
+      store_.get(), metrics_.get(), workers_.get(), data_plane_.get());
 
   if (!options_.metrics_listen.empty()) {
     absl::StatusOr<int> port = metrics_->Serve(options_.metrics_listen);
@@ -83,6 +116,10 @@ absl::Status Node::Start() {
                    : std::string(),
       metrics_port_ ? absl::StrCat(", metrics on port ", metrics_port_)
                     : std::string(),
+      data_plane_
+          ? absl::StrCat(", UCX data plane on port ", data_plane_->port(),
+                         " (staging ", options_.ucx.staging_bytes, " bytes)")
+          : std::string(),
       "; ", arena_description, ", page size ", options_.store.page_size,
       ", default codec ", kernels::CodecName(options_.store.default_codec)));
   return absl::OkStatus();
@@ -93,6 +130,9 @@ void Node::ReaperLoop() {
       !stop_reaper_.WaitForNotificationWithTimeout(options_.reaper_interval)) {
     // Lease expiry, watermark eviction, KIVI residual re-encodes.
     store_->RunMaintenance(absl::Now());
+    // Data-plane sessions end with their leases; commit waits with their
+    // calls' deadlines.
+    if (data_plane_ != nullptr) data_plane_->Expire(absl::Now());
   }
 }
 
@@ -105,11 +145,21 @@ void Node::Drain() {
     if (s == nullptr) continue;
     s->GetHealthCheckService()->SetServingStatus(false);
   }
+  if (data_plane_ != nullptr) {
+    // No new sessions; commits waiting for bytes end by the drain deadline.
+    data_plane_->BeginDrain(absl::Now() + options_.drain_timeout);
+  }
   if (server_ != nullptr) {
     if (started_) LogInfo("draining: health NOT_SERVING, finishing calls");
     server_->Shutdown(std::chrono::system_clock::now() +
                       absl::ToChronoSeconds(options_.drain_timeout));
     server_->Wait();
+  }
+  // The data plane stops before the pool: it schedules commits there. Work
+  // already queued owns what it touches.
+  if (data_plane_ != nullptr) {
+    data_plane_->Stop();
+    metrics_->SetDataPlaneSource(nullptr);  // the plane goes before metrics
   }
   workers_.reset();  // runs what is queued; every reactor has finished
   if (health_server_ != nullptr) {

@@ -6,6 +6,10 @@
 // turns health NOT_SERVING (so probes and clients stop sending), lets
 // in-flight calls finish for up to drain_timeout, cancels what is left and
 // stops every server. Drain is idempotent and is called by the destructor.
+// With DataPlaneMode::kUcx the UCX data plane (service/ucx/data_plane.h)
+// starts before the gRPC server; Drain refuses new data-plane sessions,
+// ends commit waits by the drain deadline and stops the data plane after
+// the gRPC server and before the worker pool.
 #ifndef KVCACHE_SERVICE_NODE_H_
 #define KVCACHE_SERVICE_NODE_H_
 
@@ -17,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "service/ucx/data_plane.h"
 #include "store/arena.h"
 #include "store/store.h"
 
@@ -30,6 +35,9 @@ class KvCacheServiceImpl;
 class Metrics;
 class ThreadPool;
 
+// Where KV bytes travel besides inline gRPC messages.
+enum class DataPlaneMode { kNone, kUcx };
+
 struct NodeOptions {
   std::string listen = "0.0.0.0:50051";
   std::string health_listen;                    // empty: none
@@ -40,6 +48,10 @@ struct NodeOptions {
   absl::Duration drain_timeout = absl::Seconds(20);
   absl::Duration reaper_interval = absl::Milliseconds(200);
   int worker_threads = 0;  // 0: hardware concurrency
+  DataPlaneMode data_plane = DataPlaneMode::kNone;
+  // With kUcx: listener, advertised host, staging bound. The lease TTLs
+  // are taken from `store`.
+  ucx::DataPlaneOptions ucx;
 };
 
 class Node {
@@ -55,7 +67,10 @@ class Node {
   int port() const { return port_; }
   int health_port() const { return health_port_; }
   int metrics_port() const { return metrics_port_; }
+  // The UCX listener's port; 0 without a data plane.
+  int ucx_port() const { return data_plane_ ? data_plane_->port() : 0; }
   store::Store* store() { return store_.get(); }
+  ucx::DataPlane* data_plane() { return data_plane_.get(); }
   Metrics* metrics() { return metrics_.get(); }
 
  private:
@@ -65,6 +80,7 @@ class Node {
   std::unique_ptr<store::Store> store_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ThreadPool> workers_;
+  std::unique_ptr<ucx::DataPlane> data_plane_;
   std::unique_ptr<KvCacheServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> health_server_;

@@ -3,8 +3,8 @@
 #include "store/store.h"
 
 #include <atomic>
-#include <map>
 #include <cstring>
+#include <map>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -322,8 +322,7 @@ TEST(StoreTest, EvictionOrderMatchesAReferenceModelOnRandomChains) {
         model.erase(victim);
       }
       auto begin = store->BeginWrite(
-          "ns", {{Key(id), parent >= 0 ? Key(parent) : ""}},
-          absl::Seconds(10));
+          "ns", {{Key(id), parent >= 0 ? Key(parent) : ""}}, absl::Seconds(10));
       ASSERT_TRUE(begin.ok()) << begin.status();
       ASSERT_TRUE(store->CommitWrite(begin->write_id, {{0, bytes}}).ok());
       // If the parent was evicted to make room, the child has no parent.
@@ -333,10 +332,10 @@ TEST(StoreTest, EvictionOrderMatchesAReferenceModelOnRandomChains) {
       // A hit on a random cached block.
       auto it = model.begin();
       std::advance(it, rng() % model.size());
-      ASSERT_EQ(store->Lookup("ns", {Key(it->first)}, false,
-                              absl::ZeroDuration())
-                    ->prefix_blocks,
-                1u);
+      ASSERT_EQ(
+          store->Lookup("ns", {Key(it->first)}, false, absl::ZeroDuration())
+              ->prefix_blocks,
+          1u);
       it->second.last_access = ++tick;
     } else {
       auto it = model.begin();
@@ -353,9 +352,9 @@ TEST(StoreTest, EvictionOrderMatchesAReferenceModelOnRandomChains) {
     ASSERT_EQ(store->Stats().codecs[0].blocks, model.size()) << "step " << step;
     if (step % 50 == 0) {
       for (int id = std::max(0, next_id - 200); id < next_id; ++id) {
-        bool cached = store->Lookup("ns", {Key(id)}, false,
-                                    absl::ZeroDuration())
-                          ->prefix_blocks == 1;
+        bool cached =
+            store->Lookup("ns", {Key(id)}, false, absl::ZeroDuration())
+                ->prefix_blocks == 1;
         ASSERT_EQ(cached, model.count(id) == 1)
             << "block " << id << " at step " << step;
         if (cached) model[id].last_access = ++tick;  // the check was a hit

@@ -38,11 +38,22 @@ using kernels::Codec;
 using kernels::CodecPolicy;
 using kernels::ScaleMode;
 
+// Where KV bytes travel. The control plane is gRPC either way.
+enum class DataPlane {
+  // UCX when the node offers it (BeginWrite / BeginRead answer with its
+  // address) and this process can start UCX; inline gRPC otherwise, and as
+  // a fallback when a UCX transfer fails for want of a connection.
+  kAuto,
+  kUcx,   // UCX only: a node without a data plane is an error
+  kGrpc,  // inline gRPC messages only
+};
+
 struct ClientOptions {
   std::string target;  // "host:port" of the node's gRPC listener
   absl::Duration timeout = absl::Seconds(10);
   // Largest gRPC message either way; a Put larger than this is split.
   int max_message_bytes = 256 << 20;
+  DataPlane data_plane = DataPlane::kAuto;
 };
 
 struct NamespaceSpec {
@@ -110,6 +121,9 @@ struct NamespaceUsage {
   Codec codec = Codec::kNone;
   uint64_t blocks = 0;
   uint64_t tokens = 0;
+  uint64_t stored_bytes = 0;     // pool bytes (pages) its blocks hold
+  uint64_t logical_bytes = 0;    // the fp16 bytes its blocks stand for
+  uint64_t residual_blocks = 0;  // kept fp16 by the KIVI residual window
   std::map<std::string, uint64_t> tokens_that_fit;  // by codec name
 };
 
@@ -125,6 +139,44 @@ struct NodeStats {
   uint64_t data_loss_events = 0;
   uint64_t lookup_hits = 0;
   uint64_t lookup_misses = 0;
+};
+
+// Where block i of a GetInto landed in the caller's buffer.
+struct BlockPlacement {
+  uint64_t offset = 0;  // from the start of the buffer: i * stride
+  uint64_t length = 0;  // bytes of the block in the requested format
+  // Offset within the block where each layer ends; one entry when the
+  // block's layers cannot be told apart (it is ready with the last layer).
+  std::vector<uint64_t> layer_ends;
+};
+
+// A read into caller memory in progress (Client::GetInto). Destroying it
+// before the read has ended cancels the transfer first, so the buffer is
+// never written after the destructor returns.
+class PendingRead {
+ public:
+  struct Impl;
+  explicit PendingRead(std::unique_ptr<Impl> impl);
+  ~PendingRead();
+  PendingRead(const PendingRead&) = delete;
+  PendingRead& operator=(const PendingRead&) = delete;
+
+  // Blocks until layer `layer` of every block is in the buffer, or the read
+  // failed (its status), bounded by the call's deadline
+  // (DEADLINE_EXCEEDED). Layers arrive in order.
+  absl::Status WaitLayer(uint32_t layer);
+  // Every layer.
+  absl::Status Wait();
+  uint32_t num_layers() const;
+  // Keys, codecs and formats of the blocks (their bytes are empty: they are
+  // in the buffer), with the shape and policy that decode raw blocks.
+  const GetResult& metadata() const;
+  const std::vector<BlockPlacement>& placements() const;
+  // True when the bytes travel over the UCX data plane.
+  bool over_data_plane() const;
+
+ private:
+  std::unique_ptr<Impl> impl_;
 };
 
 // Milliseconds the node asked the caller to wait before retrying a
@@ -167,6 +219,18 @@ class Client {
                                 const std::vector<std::string>& keys,
                                 ReadFormat format = ReadFormat::kFp16,
                                 uint64_t pin_lease = 0);
+
+  // Reads blocks straight into `dest`: block i at dest[i * stride, ...).
+  // Over the UCX data plane the node puts them there layer by layer, so a
+  // decode worker can start on layer 0 while later layers travel; inline
+  // (no data plane) the bytes are copied in and every layer is ready at
+  // once. INVALID_ARGUMENT when `dest` cannot hold keys.size() slots of
+  // `stride` bytes or a block is larger than its slot. `dest` must outlive
+  // the PendingRead.
+  absl::StatusOr<std::unique_ptr<PendingRead>> GetInto(
+      const std::string& ns, const std::vector<std::string>& keys,
+      ReadFormat format, absl::Span<uint8_t> dest, size_t stride,
+      uint64_t pin_lease = 0);
 
   // Ends a Lookup pin without reading.
   absl::Status Release(uint64_t pin_lease);

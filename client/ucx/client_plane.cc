@@ -1,0 +1,448 @@
+#include "client/ucx/client_plane.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <utility>
+
+#include "absl/memory/memory.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "service/ucx/status.h"
+
+namespace kvcache::ucx {
+namespace {
+
+// Blocks from this size go by rendezvous: the node pulls them straight into
+// its staging buffer instead of receiving bounce-buffer fragments.
+constexpr size_t kRendezvousBytes = 64 << 10;
+// After a force-close, how long UCX may take to fail what was in flight.
+constexpr absl::Duration kCloseGrace = absl::Seconds(10);
+
+std::chrono::system_clock::time_point Chrono(absl::Time t) {
+  if (t == absl::InfiniteFuture()) {
+    return std::chrono::system_clock::time_point::max();
+  }
+  return absl::ToChronoTime(t);
+}
+
+// Completion count of a batch of sends.
+struct SendState {
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t pending = 0;   // guarded by mu
+  absl::Status status;  // guarded by mu: the first error
+
+  void Complete(size_t n, const absl::Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!s.ok() && status.ok()) status = s;
+    pending -= n;
+    if (pending == 0) cv.notify_all();
+  }
+  // True when everything completed before `deadline`.
+  bool WaitUntil(absl::Time deadline) {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_until(lock, Chrono(deadline), [&] { return pending == 0; });
+  }
+};
+
+}  // namespace
+
+struct ClientPlane::Connection {
+  uint64_t id = 0;
+  std::string address;   // the connection's key
+  std::string listener;  // for messages
+  std::unique_ptr<Endpoint> ep;
+  bool described = false;  // lanes printed (KVCACHE_UCX_DEBUG)
+  // Reads in progress on this connection, by token.
+  absl::flat_hash_map<std::string, std::shared_ptr<ReadState>> reads;
+};
+
+struct ClientPlane::ReadState {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint32_t layers_done = 0;  // guarded by mu
+  bool finished = false;     // guarded by mu: done, failed, or closed
+  bool detached = false;     // guarded by mu: no longer in a connection
+  absl::Status status;       // guarded by mu
+
+  void Update(uint32_t layers, bool done, const absl::Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (finished) return;
+    if (!s.ok()) {
+      status = s;
+      finished = true;
+    } else {
+      layers_done = std::max(layers_done, layers);
+      finished = done;
+    }
+    cv.notify_all();
+  }
+  void Detach(const absl::Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!finished) {
+      status = s;
+      finished = true;
+    }
+    detached = true;
+    cv.notify_all();
+  }
+};
+
+// ---------------------------------------------------------------- setup
+
+ClientPlane::ClientPlane(std::unique_ptr<WorkerLoop> loop)
+    : loop_(std::move(loop)) {}
+
+absl::StatusOr<std::unique_ptr<ClientPlane>> ClientPlane::Create() {
+  WorkerLoop::Options options;
+  options.name = "kvcache-client";
+  absl::StatusOr<std::unique_ptr<WorkerLoop>> loop = WorkerLoop::Start(options);
+  if (!loop.ok()) return loop.status();
+  std::unique_ptr<ClientPlane> plane =
+      absl::WrapUnique(new ClientPlane(*std::move(loop)));
+  if (absl::Status s = plane->InstallHandlers(); !s.ok()) return s;
+  return plane;
+}
+
+absl::Status ClientPlane::InstallHandlers() {
+  auto promise = std::make_shared<std::promise<absl::Status>>();
+  std::future<absl::Status> result = promise->get_future();
+  bool posted = loop_->Post([this, promise] {
+    ucp_am_handler_param_t param;
+    std::memset(&param, 0, sizeof(param));
+    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                       UCP_AM_HANDLER_PARAM_FIELD_CB |
+                       UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    param.id = kAmReadStatus;
+    param.cb = &ClientPlane::OnReadStatus;
+    param.arg = this;
+    absl::Status status =
+        UcxStatus(ucp_worker_set_am_recv_handler(loop_->worker().get(), &param),
+                  "ucp_worker_set_am_recv_handler");
+    if (status.ok()) {
+      absl::StatusOr<std::string> address = loop_->worker().Address();
+      if (address.ok()) {
+        worker_address_ = *std::move(address);
+      } else {
+        status = address.status();
+      }
+    }
+    promise->set_value(status);
+  });
+  if (!posted ||
+      result.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+    return absl::UnavailableError("UCX progress thread did not start");
+  }
+  return result.get();
+}
+
+ClientPlane::~ClientPlane() {
+  loop_->Stop([this] {
+    for (auto& [address, conn] : connections_) {
+      for (auto& [id, state] : conn->reads) {
+        state->Detach(absl::CancelledError("the client is closing"));
+      }
+    }
+    address_by_ep_.clear();
+    connections_.clear();
+  });
+}
+
+absl::StatusOr<std::unique_ptr<MemoryRegion>> ClientPlane::Register(
+    void* address, size_t length) {
+  return MemoryRegion::Register(loop_->context(), address, length);
+}
+
+absl::StatusOr<std::unique_ptr<MemoryRegion>> ClientPlane::Allocate(
+    size_t length) {
+  return MemoryRegion::Allocate(loop_->context(), length);
+}
+
+// ---------------------------------------------------------- connections
+
+absl::StatusOr<ClientPlane::Connection*> ClientPlane::GetConnection(
+    const NodeAddress& address) {
+  const std::string key = address.key();
+  auto it = connections_.find(key);
+  if (it != connections_.end()) return it->second.get();
+  bool peer_errors = true;
+  absl::StatusOr<std::unique_ptr<Endpoint>> ep =
+      address.worker.empty()
+          ? Endpoint::Connect(loop_->worker(), address.listener,
+                              &ClientPlane::OnEndpointError, this)
+          : Endpoint::ConnectToWorker(loop_->worker(), address.worker,
+                                      &ClientPlane::OnEndpointError, this,
+                                      &peer_errors);
+  if (!ep.ok()) return ep.status();
+  auto conn = std::make_unique<Connection>();
+  conn->id = next_connection_id_++;
+  conn->address = key;
+  conn->listener = address.listener;
+  conn->ep = *std::move(ep);
+  Connection* raw = conn.get();
+  address_by_ep_[raw->ep->get()] = key;
+  connections_[key] = std::move(conn);
+  return raw;
+}
+
+void ClientPlane::OnEndpointError(void* arg, ucp_ep_h ep,
+                                  ucs_status_t status) noexcept {
+  auto* self = static_cast<ClientPlane*>(arg);
+  auto it = self->address_by_ep_.find(ep);
+  if (it == self->address_by_ep_.end()) return;
+  auto conn = self->connections_.find(it->second);
+  if (conn == self->connections_.end()) return;
+  uint64_t id = conn->second->id;
+  absl::Status why = UcxStatus(status, "data-plane connection failed");
+  // Closing from inside a UCX callback is not allowed: defer it.
+  self->loop_->Post([self, id, why] { self->CloseConnection(id, why); });
+}
+
+void ClientPlane::CloseConnection(uint64_t conn_id, const absl::Status& why) {
+  for (auto it = connections_.begin(); it != connections_.end(); ++it) {
+    if (it->second->id != conn_id) continue;
+    std::unique_ptr<Connection> conn = std::move(it->second);
+    connections_.erase(it);
+    address_by_ep_.erase(conn->ep->get());
+    conn->ep.reset();  // force close: every operation on it fails now
+    for (auto& [token, state] : conn->reads) {
+      state->Detach(why);
+      loop_->AddBusy(-1);
+      read_connection_.erase(token);
+    }
+    return;
+  }
+}
+
+void ClientPlane::DescribeOnce(const std::string& address) {
+  static const bool debug = std::getenv("KVCACHE_UCX_DEBUG") != nullptr;
+  if (!debug) return;
+  auto it = connections_.find(address);
+  if (it == connections_.end() || it->second->described) return;
+  it->second->described = true;
+  std::fprintf(stderr, "kvcache client: data-plane lanes to %s:\n",
+               it->second->listener.c_str());
+  ucp_ep_print_info(it->second->ep->get(), stderr);
+}
+
+void ClientPlane::ForceCloseAddress(const std::string& address) {
+  auto it = connections_.find(address);
+  if (it == connections_.end()) return;
+  CloseConnection(it->second->id,
+                  absl::DeadlineExceededError(
+                      "a data-plane operation on this connection passed its "
+                      "deadline; the connection was closed"));
+}
+
+// ----------------------------------------------------------------- write
+
+absl::Status ClientPlane::SendBlocks(const NodeAddress& address,
+                                     uint64_t write_id, const Token& token,
+                                     absl::Span<const Block> blocks,
+                                     absl::Time deadline) {
+  if (blocks.empty()) return absl::OkStatus();
+  auto state = std::make_shared<SendState>();
+  state->pending = blocks.size();
+  std::vector<Block> copy(blocks.begin(), blocks.end());
+  bool posted = loop_->Post(
+      [this, address, write_id, token, state, copy = std::move(copy)] {
+        absl::StatusOr<Connection*> conn = GetConnection(address);
+        if (!conn.ok()) {
+          state->Complete(copy.size(), conn.status());
+          return;
+        }
+        const ucp_ep_h ep = (*conn)->ep->get();
+        for (const Block& block : copy) {
+          WriteBlockHeader h;
+          h.write_id = write_id;
+          h.token = token;
+          h.index = block.index;
+          h.length = block.bytes.size();
+          const uint8_t* data = block.bytes.data();
+          const size_t length = block.bytes.size();
+          loop_->AddBusy(1);
+          Operation::Start(
+              Operation::Kind::kSend,
+              [ep, data, length](const ucp_request_param_t& param,
+                                 absl::string_view header) {
+                ucp_request_param_t p = param;
+                p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+                p.flags = UCP_AM_SEND_FLAG_REPLY;
+                if (length >= kRendezvousBytes)
+                  p.flags |= UCP_AM_SEND_FLAG_RNDV;
+                return ucp_am_send_nbx(ep, kAmWriteBlock, header.data(),
+                                       header.size(), data, length, &p);
+              },
+              [this, state, key = address.key()](absl::Status status) {
+                loop_->AddBusy(-1);
+                if (status.ok()) DescribeOnce(key);
+                state->Complete(1, status);
+              },
+              Encode(h));
+        }
+      });
+  if (!posted) return absl::UnavailableError("the client is closing");
+  if (!state->WaitUntil(deadline)) {
+    // Fail whatever is in flight; the caller's bytes must not be touched
+    // after we return.
+    loop_->Post([this, key = address.key()] { ForceCloseAddress(key); });
+    if (!state->WaitUntil(absl::Now() + kCloseGrace)) {
+      return absl::InternalError(
+          "data-plane sends did not complete after closing their connection");
+    }
+    return absl::DeadlineExceededError(
+        "sending blocks over the data plane passed the call's deadline");
+  }
+  std::lock_guard<std::mutex> lock(state->mu);
+  return state->status;
+}
+
+// ------------------------------------------------------------------ read
+
+absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
+    const NodeAddress& address, uint64_t read_id, const Token& token,
+    std::unique_ptr<MemoryRegion> region,
+    const std::vector<uint64_t>& destinations, uint32_t num_layers,
+    bool per_layer) {
+  absl::StatusOr<std::string> rkey = region->PackRemoteKey();
+  if (!rkey.ok()) return rkey.status();
+  ReadStartHeader h;
+  h.read_id = read_id;
+  h.token = token;
+  h.num_blocks = static_cast<uint32_t>(destinations.size());
+  h.rkey_length = static_cast<uint32_t>(rkey->size());
+  h.client_address_length = static_cast<uint32_t>(worker_address_.size());
+  h.per_layer = per_layer ? 1 : 0;
+  std::string header = Encode(h);
+  // Header, key, destinations, this worker's address: kept by the
+  // operation until it completes.
+  std::string keep = header + *rkey;
+  for (uint64_t d : destinations) {
+    for (int i = 0; i < 8; ++i) keep.push_back(static_cast<char>(d >> (8 * i)));
+  }
+  keep += worker_address_;
+  auto state = std::make_shared<ReadState>();
+  std::string token_bytes = TokenBytes(token);
+  bool posted = loop_->Post([this, address, token_bytes, state,
+                             header_size = header.size(),
+                             keep = std::move(keep)]() mutable {
+    absl::StatusOr<Connection*> conn = GetConnection(address);
+    if (!conn.ok()) {
+      state->Detach(conn.status());
+      return;
+    }
+    (*conn)->reads[token_bytes] = state;
+    read_connection_[token_bytes] = address.key();
+    loop_->AddBusy(1);  // until the read ends: the node's puts need progress
+    const ucp_ep_h ep = (*conn)->ep->get();
+    Operation::Start(
+        Operation::Kind::kSend,
+        [ep, header_size](const ucp_request_param_t& param,
+                          absl::string_view kept) {
+          ucp_request_param_t p = param;
+          p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+          p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+          return ucp_am_send_nbx(ep, kAmReadStart, kept.data(), header_size,
+                                 kept.data() + header_size,
+                                 kept.size() - header_size, &p);
+        },
+        [this, token_bytes](absl::Status status) {
+          if (!status.ok()) EndRead(token_bytes, 0, status);
+        },
+        std::move(keep));
+  });
+  if (!posted) return absl::UnavailableError("the client is closing");
+  return absl::WrapUnique(new Read(this, address.key(), std::move(state),
+                                   std::move(region), num_layers));
+}
+
+ucs_status_t ClientPlane::OnReadStatus(
+    void* arg, const void* header, size_t header_length, void* data,
+    size_t length, const ucp_am_recv_param_t* param) noexcept {
+  auto* self = static_cast<ClientPlane*>(arg);
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) return UCS_OK;
+  absl::StatusOr<ReadStatusHeader> h = DecodeReadStatus(
+      absl::string_view(static_cast<const char*>(header), header_length));
+  if (!h.ok()) return UCS_OK;
+  // The token names the read (read ids are only unique per node).
+  const std::string token = TokenBytes(h->token);
+  auto by_token = self->read_connection_.find(token);
+  if (by_token == self->read_connection_.end()) return UCS_OK;
+  auto conn = self->connections_.find(by_token->second);
+  if (conn == self->connections_.end()) return UCS_OK;
+  auto it = conn->second->reads.find(token);
+  if (it == conn->second->reads.end()) return UCS_OK;
+  absl::Status status;
+  if (h->code != 0) {
+    status =
+        absl::Status(static_cast<absl::StatusCode>(h->code),
+                     absl::string_view(static_cast<const char*>(data), length));
+  }
+  if (!status.ok() || h->layers_done >= h->num_layers) {
+    self->EndRead(token, h->layers_done, status);
+  } else {
+    it->second->Update(h->layers_done, false, status);
+  }
+  return UCS_OK;
+}
+
+void ClientPlane::EndRead(const std::string& token, uint32_t layers_done,
+                          const absl::Status& status) {
+  auto by_token = read_connection_.find(token);
+  if (by_token == read_connection_.end()) return;
+  auto conn = connections_.find(by_token->second);
+  read_connection_.erase(by_token);
+  if (conn == connections_.end()) return;
+  auto it = conn->second->reads.find(token);
+  if (it == conn->second->reads.end()) return;
+  std::shared_ptr<ReadState> state = std::move(it->second);
+  conn->second->reads.erase(it);
+  loop_->AddBusy(-1);
+  state->Update(layers_done, /*done=*/true, status);
+  state->Detach(status);
+}
+
+ClientPlane::Read::~Read() {
+  bool detached;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    detached = state_->detached;
+  }
+  if (!detached) {
+    // The node may still be putting into the region: close the connection
+    // (no more puts land) before the region is unmapped.
+    WaitLayers(num_layers_, absl::Now()).IgnoreError();
+  }
+}
+
+absl::Status ClientPlane::Read::WaitLayers(uint32_t layers,
+                                           absl::Time deadline) {
+  std::unique_lock<std::mutex> lock(state_->mu);
+  auto ready = [&] {
+    return state_->finished || state_->layers_done >= layers;
+  };
+  if (!state_->cv.wait_until(lock, Chrono(deadline), ready)) {
+    lock.unlock();
+    ClientPlane* plane = plane_;
+    std::string address = address_;
+    plane->loop_->Post([plane, address] { plane->ForceCloseAddress(address); });
+    lock.lock();
+    // Bounded: the close detaches every read of the connection.
+    state_->cv.wait_until(lock, Chrono(absl::Now() + kCloseGrace),
+                          [&] { return state_->detached; });
+    if (!state_->detached) {
+      return absl::InternalError(
+          "a data-plane read did not end after closing its connection");
+    }
+    return absl::DeadlineExceededError(
+        "the data-plane read passed the call's deadline");
+  }
+  if (!state_->status.ok()) return state_->status;
+  if (state_->layers_done >= layers) return absl::OkStatus();
+  return absl::InternalError("the data-plane read ended early");
+}
+
+}  // namespace kvcache::ucx

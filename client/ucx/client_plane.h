@@ -1,0 +1,151 @@
+// ClientPlane: the client library's side of the UCX data plane (private to
+// client/). One UCX context and worker with its progress thread
+// (ucx::WorkerLoop), and one endpoint per node address, opened on first use
+// and opened again after it fails.
+//
+// Contract:
+//  * SendBlocks and Read::Wait return within their deadline (plus the time
+//    UCX takes to fail the operations of a force-closed endpoint). When a
+//    deadline passes with operations in flight, the endpoint is
+//    force-closed, which completes them with an error; only then does the
+//    call return, so no operation outlives the caller's buffers.
+//  * Every active message carries the token the node issued for that lease
+//    through the control plane, and UCP_AM_SEND_FLAG_REPLY so that the node
+//    can tell which connection sent it.
+//  * A Read owns the registration of its destination region: the remote
+//    key sent to the node is valid exactly as long as the Read lives.
+#ifndef KVCACHE_CLIENT_UCX_CLIENT_PLANE_H_
+#define KVCACHE_CLIENT_UCX_CLIENT_PLANE_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "service/ucx/handles.h"
+#include "service/ucx/wire.h"
+#include "service/ucx/worker_loop.h"
+
+namespace kvcache::ucx {
+
+// How to reach a node's data plane (DataPlaneInfo): its worker address,
+// preferred (UCX may then use shared memory), or its listener.
+struct NodeAddress {
+  std::string listener;  // "host:port"
+  std::string worker;    // packed ucp worker address; may be empty
+  // Connections are kept per node under this key; a node that restarts
+  // has a new worker address, so a new key.
+  std::string key() const { return listener + "|" + worker; }
+};
+
+class ClientPlane {
+ public:
+  static absl::StatusOr<std::unique_ptr<ClientPlane>> Create();
+  ~ClientPlane();
+  ClientPlane(const ClientPlane&) = delete;
+  ClientPlane& operator=(const ClientPlane&) = delete;
+
+  struct Block {
+    uint32_t index;  // in the write's BeginWrite list
+    absl::Span<const uint8_t> bytes;
+  };
+  // Sends each block as one active message to the node at `address` and
+  // returns when UCX has completed every send (for rendezvous sends: the
+  // node has the bytes) or the first error.
+  absl::Status SendBlocks(const NodeAddress& address, uint64_t write_id,
+                          const Token& token, absl::Span<const Block> blocks,
+                          absl::Time deadline);
+
+  // Destination memory for a read: registered caller memory, or memory UCX
+  // allocates (shared memory where a transport offers it).
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Register(void* address,
+                                                         size_t length);
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Allocate(size_t length);
+
+  class Read;
+  // Asks the node to put the blocks of read `read_id` at `destinations`
+  // (one address per block, inside `region`). per_layer: the node reports
+  // each layer as it lands. The Read keeps `region` registered until it is
+  // destroyed.
+  absl::StatusOr<std::unique_ptr<Read>> StartRead(
+      const NodeAddress& address, uint64_t read_id, const Token& token,
+      std::unique_ptr<MemoryRegion> region,
+      const std::vector<uint64_t>& destinations, uint32_t num_layers,
+      bool per_layer);
+
+ private:
+  struct Connection;
+  struct ReadState;
+
+  explicit ClientPlane(std::unique_ptr<WorkerLoop> loop);
+  absl::Status InstallHandlers();
+
+  // Loop thread.
+  static void OnEndpointError(void* arg, ucp_ep_h ep,
+                              ucs_status_t status) noexcept;
+  static ucs_status_t OnReadStatus(void* arg, const void* header,
+                                   size_t header_length, void* data,
+                                   size_t length,
+                                   const ucp_am_recv_param_t* param) noexcept;
+  absl::StatusOr<Connection*> GetConnection(const NodeAddress& address);
+  void CloseConnection(uint64_t conn_id, const absl::Status& why);
+  void ForceCloseAddress(const std::string& address);
+  // With KVCACHE_UCX_DEBUG set: prints the connection's transport lanes
+  // once, after its first completed transfer.
+  void DescribeOnce(const std::string& address);
+  // Ends the read of `token` if it is still registered.
+  void EndRead(const std::string& token, uint32_t layers_done,
+               const absl::Status& status);
+
+  std::unique_ptr<WorkerLoop> loop_;
+  // Loop thread only.
+  absl::flat_hash_map<std::string, std::unique_ptr<Connection>> connections_;
+  absl::flat_hash_map<ucp_ep_h, std::string> address_by_ep_;
+  // Reads in progress: token -> the key of their connection.
+  absl::flat_hash_map<std::string, std::string> read_connection_;
+  uint64_t next_connection_id_ = 1;
+  std::string worker_address_;  // set once by InstallHandlers
+};
+
+// A read in progress: the node puts into the region and reports layers.
+class ClientPlane::Read {
+ public:
+  ~Read();
+  Read(const Read&) = delete;
+  Read& operator=(const Read&) = delete;
+
+  // Waits until `layers` layers are in place (num_layers: all), the read
+  // failed, or `deadline` (then the connection is force-closed and the read
+  // fails with DEADLINE_EXCEEDED).
+  absl::Status WaitLayers(uint32_t layers, absl::Time deadline);
+  uint32_t num_layers() const { return num_layers_; }
+  MemoryRegion& region() { return *region_; }
+
+ private:
+  friend class ClientPlane;
+  Read(ClientPlane* plane, std::string address,
+       std::shared_ptr<ReadState> state, std::unique_ptr<MemoryRegion> region,
+       uint32_t num_layers)
+      : plane_(plane),
+        address_(std::move(address)),
+        state_(std::move(state)),
+        region_(std::move(region)),
+        num_layers_(num_layers) {}
+
+  ClientPlane* plane_;
+  std::string address_;
+  std::shared_ptr<ReadState> state_;
+  std::unique_ptr<MemoryRegion> region_;
+  uint32_t num_layers_;
+};
+
+}  // namespace kvcache::ucx
+
+#endif  // KVCACHE_CLIENT_UCX_CLIENT_PLANE_H_

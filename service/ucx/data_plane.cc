@@ -1,0 +1,963 @@
+#include "service/ucx/data_plane.h"
+
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <utility>
+
+#include "absl/memory/memory.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kernels/codec.h"
+#include "service/log.h"
+#include "service/ucx/status.h"
+
+namespace kvcache::ucx {
+namespace {
+
+bool IsWildcardHost(absl::string_view host) {
+  return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]";
+}
+
+absl::string_view HostOf(absl::string_view host_port) {
+  size_t colon = host_port.rfind(':');
+  return colon == absl::string_view::npos ? host_port
+                                          : host_port.substr(0, colon);
+}
+
+uint64_t LoadLe64(const char* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) {
+    v |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  }
+  return v;
+}
+
+// The encoded bytes of layer `layer` alone: the same shape with one layer
+// and the policy restricted to that layer.
+uint64_t EncodedLayerBytes(const kernels::BlockShape& shape,
+                           const kernels::CodecPolicy& policy, uint32_t layer) {
+  kernels::BlockShape one = shape;
+  one.num_layers = 1;
+  kernels::CodecPolicy p = policy;
+  p.fp16_layers.clear();
+  for (uint32_t l : policy.fp16_layers) {
+    if (l == layer) p.fp16_layers.push_back(0);
+  }
+  auto slice = [&](const std::vector<float>& all) {
+    std::vector<float> out;
+    if (all.empty()) return out;
+    size_t per_layer = all.size() / shape.num_layers;
+    out.assign(all.begin() + layer * per_layer,
+               all.begin() + (layer + 1) * per_layer);
+    return out;
+  };
+  p.static_k_scales = slice(policy.static_k_scales);
+  p.static_v_scales = slice(policy.static_v_scales);
+  return kernels::EncodedBlockBytes(one, p);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------ state types
+
+struct DataPlane::Connection {
+  uint64_t id = 0;
+  std::unique_ptr<Endpoint> ep;
+  // A peer that connected to the worker address arrives on an endpoint UCX
+  // made for it, which cannot carry RMA; puts and reports then go through
+  // an endpoint of the node's own to the client's worker address.
+  bool adopted = false;
+  std::unique_ptr<Endpoint> put_ep;
+  std::string peer;
+  absl::Time accepted;
+  bool authenticated = false;
+
+  Endpoint& out() { return put_ep != nullptr ? *put_ep : *ep; }
+};
+
+struct DataPlane::WriteSession {
+  enum class Slot { kPresent, kAwaiting, kReceiving, kLanded };
+  uint64_t id = 0;
+  Token token{};
+  absl::Time deadline;
+  uint64_t block_bytes = 0;
+  std::vector<Slot> slots;
+  std::vector<std::shared_ptr<StagingBuffer>> buffers;  // null where present
+  uint32_t awaiting = 0;   // blocks neither present nor landed
+  uint32_t in_flight = 0;  // rendezvous receives not completed
+  uint64_t conn_id = 0;    // the connection it is bound to (0: none yet)
+  absl::Status error;      // the first bad block or failed receive
+  CommitDone waiter;       // set by Commit()
+  absl::Time commit_deadline = absl::InfiniteFuture();
+};
+
+struct DataPlane::ReadSession {
+  enum class State { kWaiting, kTransferring, kDone };
+  uint64_t id = 0;  // the store's read lease
+  Token token{};
+  absl::Time deadline;
+  store::ReadResult result;
+  std::vector<std::vector<uint64_t>> layer_ends;  // per block
+  uint32_t num_layers = 0;  // slices reported in per-layer mode
+  StagingReservation reservation;
+  State state = State::kWaiting;  // guarded by DataPlane::mu_
+  uint64_t conn_id = 0;           // guarded by DataPlane::mu_
+  // Loop thread only, while transferring.
+  std::unique_ptr<RemoteKey> rkey;
+  uint32_t outstanding = 0;  // puts, flushes and status sends in flight
+  uint32_t layers_done = 0;
+  absl::Status error;
+  bool finished = false;
+};
+
+// ------------------------------------------------------------- lifecycle
+
+DataPlane::DataPlane(DataPlaneOptions options, store::Store* store,
+                     Executor executor, TransferObserver observer)
+    : options_(std::move(options)),
+      store_(store),
+      executor_(std::move(executor)),
+      observer_(std::move(observer)),
+      budget_(std::make_shared<StagingBudget>(options_.staging_bytes)) {}
+
+absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(
+    DataPlaneOptions options, store::Store* store, Executor executor,
+    TransferObserver observer) {
+  std::unique_ptr<DataPlane> plane = absl::WrapUnique(new DataPlane(
+      std::move(options), store, std::move(executor), std::move(observer)));
+  WorkerLoop::Options loop_options;
+  loop_options.name = "kvcache-node";
+  loop_options.spin_iterations = plane->options_.spin_iterations;
+  absl::StatusOr<std::unique_ptr<WorkerLoop>> loop =
+      WorkerLoop::Start(loop_options);
+  if (!loop.ok()) return loop.status();
+  plane->loop_ = *std::move(loop);
+  if (absl::Status s = plane->Listen(); !s.ok()) {
+    plane->Stop();
+    return s;
+  }
+  return plane;
+}
+
+absl::Status DataPlane::Listen() {
+  // Handlers and the listener belong to the loop thread: set them up there
+  // and wait (bounded) for the outcome.
+  auto promise = std::make_shared<std::promise<absl::Status>>();
+  std::future<absl::Status> result = promise->get_future();
+  bool posted = loop_->Post([this, promise] {
+    const ucp_worker_h worker = loop_->worker().get();
+    for (auto [id, cb] : {std::pair<unsigned, ucp_am_recv_callback_t>{
+                              kAmWriteBlock, &DataPlane::OnWriteBlock},
+                          {kAmReadStart, &DataPlane::OnReadStart}}) {
+      ucp_am_handler_param_t param;
+      std::memset(&param, 0, sizeof(param));
+      param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                         UCP_AM_HANDLER_PARAM_FIELD_CB |
+                         UCP_AM_HANDLER_PARAM_FIELD_ARG;
+      param.id = id;
+      param.cb = cb;
+      param.arg = this;
+      if (absl::Status s =
+              UcxStatus(ucp_worker_set_am_recv_handler(worker, &param),
+                        "ucp_worker_set_am_recv_handler");
+          !s.ok()) {
+        promise->set_value(s);
+        return;
+      }
+    }
+    absl::StatusOr<std::unique_ptr<Listener>> listener = Listener::Create(
+        loop_->worker(), options_.listen, &DataPlane::OnConnRequest, this);
+    if (!listener.ok()) {
+      promise->set_value(listener.status());
+      return;
+    }
+    listener_ = *std::move(listener);
+    port_ = listener_->port();
+    absl::StatusOr<std::string> address = loop_->worker().Address();
+    if (!address.ok()) {
+      promise->set_value(address.status());
+      return;
+    }
+    worker_address_ = *std::move(address);
+    promise->set_value(absl::OkStatus());
+  });
+  if (!posted ||
+      result.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+    return absl::UnavailableError("UCX progress thread did not start");
+  }
+  absl::Status status = result.get();
+  if (!status.ok()) return status;
+  std::string host = options_.advertise_host.empty()
+                         ? std::string(HostOf(options_.listen))
+                         : options_.advertise_host;
+  address_ = IsWildcardHost(host) ? absl::StrCat(":", port_)
+                                  : absl::StrCat(host, ":", port_);
+  return absl::OkStatus();
+}
+
+DataPlane::~DataPlane() { Stop(); }
+
+void DataPlane::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return;
+    stopped_ = true;
+    draining_ = true;
+  }
+  if (loop_ != nullptr) {
+    loop_->Stop([this] {
+      listener_.reset();
+      connection_by_ep_.clear();
+      connections_.clear();  // force-closes: in-flight operations fail
+    });
+  }
+  // The loop has stopped: nothing will touch a session again but what
+  // is already scheduled (commit work owns its session).
+  absl::flat_hash_map<uint64_t, std::shared_ptr<WriteSession>> writes;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<ReadSession>> reads;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    writes.swap(writes_);
+    reads.swap(reads_);
+  }
+  for (auto& [id, session] : writes) {
+    store_->AbortWrite(id).IgnoreError();
+    if (session->waiter) {
+      CommitDone done = std::move(session->waiter);
+      done(absl::UnavailableError("the node's data plane is shutting down"));
+    }
+  }
+  for (auto& [id, session] : reads) store_->EndLease(id).IgnoreError();
+  // loop_ itself lives until the destructor: Post() on it now returns false.
+}
+
+void DataPlane::BeginDrain(absl::Time deadline) {
+  std::lock_guard<std::mutex> lock(mu_);
+  draining_ = true;
+  drain_deadline_ = deadline;
+  for (auto& [id, session] : writes_) {
+    session->commit_deadline = std::min(session->commit_deadline, deadline);
+  }
+}
+
+DataPlaneStats DataPlane::Stats() const {
+  DataPlaneStats s;
+  s.staging_capacity_bytes = budget_->capacity();
+  s.staging_used_bytes = budget_->used();
+  s.staging_cached_bytes = budget_->cached();
+  s.connections = connection_count_.load();
+  s.rejected_connections = rejected_connections_.load();
+  std::lock_guard<std::mutex> lock(mu_);
+  s.write_sessions = static_cast<uint32_t>(writes_.size());
+  s.read_sessions = static_cast<uint32_t>(reads_.size());
+  return s;
+}
+
+std::vector<std::vector<uint64_t>> DataPlane::LayerEnds(
+    const store::ReadResult& result, store::ReadFormat format) {
+  const kernels::BlockShape& shape = result.ns.config.shape;
+  std::vector<std::vector<uint64_t>> all;
+  for (const store::ReadBlock& block : result.blocks) {
+    kernels::CodecPolicy policy = result.ns.config.policy;
+    if (block.codec != policy.codec) {
+      policy = kernels::CodecPolicy{};  // stored fp16 (KIVI's residual)
+    }
+    std::vector<uint64_t> ends;
+    uint64_t end = 0;
+    for (uint32_t l = 0; l < shape.num_layers; ++l) {
+      end += format == store::ReadFormat::kFp16
+                 ? result.ns.fp16_block_bytes / shape.num_layers
+                 : EncodedLayerBytes(shape, policy, l);
+      ends.push_back(end);
+    }
+    if (ends.empty() || ends.back() != block.data.size()) {
+      ends = {block.data.size()};  // layers not separable: one slice
+    }
+    all.push_back(std::move(ends));
+  }
+  return all;
+}
+
+absl::Time DataPlane::LeaseDeadline(uint32_t ttl_ms) const {
+  absl::Duration ttl =
+      ttl_ms == 0 ? options_.default_lease_ttl : absl::Milliseconds(ttl_ms);
+  return absl::Now() + std::min(ttl, options_.max_lease_ttl);
+}
+
+// ---------------------------------------------------------------- writes
+
+absl::StatusOr<Token> DataPlane::OpenWrite(const store::BeginWriteResult& begin,
+                                           absl::Time deadline) {
+  auto session = std::make_shared<WriteSession>();
+  session->id = begin.write_id;
+  session->deadline = deadline;
+  session->block_bytes = begin.fp16_block_bytes;
+  absl::StatusOr<Token> token = NewToken();
+  if (!token.ok()) return token.status();
+  session->token = *token;
+  uint32_t needed = 0;
+  for (bool present : begin.present) needed += present ? 0 : 1;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (draining_) {
+      return absl::UnavailableError("the node is draining");
+    }
+  }
+  const uint64_t slot_bytes = StagingBudget::Round(begin.fp16_block_bytes);
+  absl::StatusOr<StagingReservation> reservation =
+      budget_->TryReserve(needed * slot_bytes);
+  if (!reservation.ok()) return reservation.status();
+  for (bool present : begin.present) {
+    if (present) {
+      session->slots.push_back(WriteSession::Slot::kPresent);
+      session->buffers.push_back(nullptr);
+      continue;
+    }
+    absl::StatusOr<std::shared_ptr<StagingBuffer>> buffer =
+        StagingBuffer::Allocate(reservation->Split(slot_bytes));
+    if (!buffer.ok()) return buffer.status();
+    session->slots.push_back(WriteSession::Slot::kAwaiting);
+    session->buffers.push_back(*std::move(buffer));
+    ++session->awaiting;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (draining_) return absl::UnavailableError("the node is draining");
+  writes_[session->id] = std::move(session);
+  return *token;
+}
+
+bool DataPlane::Commit(uint64_t write_id, absl::Time deadline,
+                       CommitDone done) {
+  std::function<void()> work;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = writes_.find(write_id);
+    if (it == writes_.end()) return false;
+    WriteSession& session = *it->second;
+    if (session.waiter) {
+      done(absl::FailedPreconditionError(
+          "this write is being committed by another call"));
+      return true;
+    }
+    session.waiter = std::move(done);
+    session.commit_deadline = std::min(deadline, drain_deadline_);
+    work = TakeForCommitLocked(write_id);
+  }
+  if (work) work();
+  return true;
+}
+
+std::function<void()> DataPlane::TakeForCommitLocked(uint64_t write_id) {
+  auto it = writes_.find(write_id);
+  if (it == writes_.end()) return nullptr;
+  std::shared_ptr<WriteSession> session = it->second;
+  if (!session->waiter) return nullptr;
+  if (session->error.ok() &&
+      (session->awaiting > 0 || session->in_flight > 0)) {
+    return nullptr;  // not every block has landed yet
+  }
+  writes_.erase(it);
+  store::Store* store = store_;
+  if (!session->error.ok()) {
+    return [store, session] {
+      store->AbortWrite(session->id).IgnoreError();
+      CommitDone done = std::move(session->waiter);
+      done(session->error);
+    };
+  }
+  // Encoding runs on the worker pool; the task owns the session (and so
+  // its staging) and touches nothing else of the data plane.
+  return [executor = executor_, store, session, observer = observer_] {
+    executor([store, session, observer] {
+      std::vector<store::Store::Payload> payloads;
+      uint64_t bytes = 0;
+      for (size_t i = 0; i < session->slots.size(); ++i) {
+        if (session->slots[i] != WriteSession::Slot::kLanded) continue;
+        payloads.push_back({static_cast<uint32_t>(i),
+                            absl::MakeConstSpan(session->buffers[i]->data(),
+                                                session->block_bytes)});
+        bytes += session->block_bytes;
+      }
+      absl::StatusOr<store::CommitResult> result =
+          store->CommitWrite(session->id, payloads);
+      if (result.ok() && observer) observer(/*inbound=*/true, bytes);
+      session->buffers.clear();  // staging returns before the reply
+      CommitDone done = std::move(session->waiter);
+      done(std::move(result));
+    });
+  };
+}
+
+void DataPlane::Abort(uint64_t write_id) {
+  std::shared_ptr<WriteSession> session;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = writes_.find(write_id);
+    if (it == writes_.end()) return;
+    session = std::move(it->second);
+    writes_.erase(it);
+  }
+  if (session->waiter) {
+    CommitDone done = std::move(session->waiter);
+    done(absl::AbortedError("the write was aborted"));
+  }
+}
+
+bool DataPlane::BindLocked(uint64_t* session_conn, uint64_t conn_id) {
+  if (*session_conn == 0) *session_conn = conn_id;
+  return *session_conn == conn_id;
+}
+
+ucs_status_t DataPlane::OnWriteBlock(
+    void* arg, const void* header, size_t header_length, void* data,
+    size_t length, const ucp_am_recv_param_t* param) noexcept {
+  auto* self = static_cast<DataPlane*>(arg);
+  Connection* conn = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
+                         ? self->FindConnection(param->reply_ep)
+                         : nullptr;
+  if (conn == nullptr) return UCS_OK;  // unknown sender: dropped
+  self->HandleWriteBlock(
+      conn, absl::string_view(static_cast<const char*>(header), header_length),
+      data, length, (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0);
+  return UCS_OK;
+}
+
+void DataPlane::HandleWriteBlock(Connection* conn, absl::string_view header,
+                                 void* data, size_t length, bool rendezvous) {
+  absl::StatusOr<WriteBlockHeader> h = DecodeWriteBlock(header);
+  if (!h.ok()) {
+    CloseConnection(conn->id, "malformed write header");
+    return;
+  }
+  const uint64_t conn_id = conn->id;
+  enum class Verdict { kClose, kDrop, kDone, kReceive } verdict;
+  std::shared_ptr<WriteSession> session;
+  std::shared_ptr<StagingBuffer> buffer;
+  std::function<void()> work;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = writes_.find(h->write_id);
+    if (it == writes_.end()) {
+      // An expired or finished write: harmless from a connection that has
+      // authenticated before, fatal for one that has not.
+      verdict = conn->authenticated ? Verdict::kDrop : Verdict::kClose;
+    } else if (!TokenEquals(it->second->token, h->token) ||
+               !BindLocked(&it->second->conn_id, conn_id)) {
+      verdict = Verdict::kClose;  // a wrong token or another's session
+    } else {
+      conn->authenticated = true;
+      WriteSession& s = *it->second;
+      absl::Status bad;
+      if (h->index >= s.slots.size()) {
+        bad = absl::InvalidArgumentError(
+            absl::StrCat("block index ", h->index, " is outside the write's ",
+                         s.slots.size(), " blocks"));
+      } else if (s.slots[h->index] != WriteSession::Slot::kAwaiting) {
+        bad = absl::InvalidArgumentError(absl::StrCat(
+            "block ", h->index, " is present already or was sent twice"));
+      } else if (length != s.block_bytes || h->length != length) {
+        bad = absl::InvalidArgumentError(absl::StrCat(
+            "block ", h->index, " has ", length,
+            " bytes; this layout's fp16 block is ", s.block_bytes, " bytes"));
+      }
+      if (!bad.ok()) {
+        if (s.error.ok()) s.error = bad;
+        verdict = Verdict::kDone;
+      } else if (rendezvous) {
+        s.slots[h->index] = WriteSession::Slot::kReceiving;
+        ++s.in_flight;
+        session = it->second;
+        buffer = s.buffers[h->index];
+        verdict = Verdict::kReceive;
+      } else {
+        std::memcpy(s.buffers[h->index]->data(), data, length);
+        s.slots[h->index] = WriteSession::Slot::kLanded;
+        --s.awaiting;
+        verdict = Verdict::kDone;
+      }
+      if (verdict == Verdict::kDone) work = TakeForCommitLocked(s.id);
+    }
+  }
+  if (work) work();
+  if (verdict == Verdict::kClose) {
+    CloseConnection(conn_id, "write block without a valid token");
+  }
+  if (verdict != Verdict::kReceive) return;
+  const uint32_t index = h->index;
+  loop_->AddBusy(1);
+  ucp_worker_h worker = loop_->worker().get();
+  Operation::Start(
+      Operation::Kind::kRecvAm,
+      [worker, data, buffer, length](const ucp_request_param_t& param,
+                                     absl::string_view) {
+        return ucp_am_recv_data_nbx(worker, data, buffer->data(), length,
+                                    &param);
+      },
+      [this, session, buffer, index](absl::Status status) {
+        loop_->AddBusy(-1);
+        std::function<void()> done_work;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          --session->in_flight;
+          if (status.ok()) {
+            session->slots[index] = WriteSession::Slot::kLanded;
+            --session->awaiting;
+          } else if (session->error.ok()) {
+            session->error = absl::UnavailableError(absl::StrCat(
+                "block ", index, " did not arrive: ", status.message()));
+          }
+          done_work = TakeForCommitLocked(session->id);
+        }
+        if (done_work) done_work();
+      });
+}
+
+// ----------------------------------------------------------------- reads
+
+absl::StatusOr<StagingReservation> DataPlane::ReserveStaging(uint64_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (draining_) return absl::UnavailableError("the node is draining");
+  }
+  return budget_->TryReserve(bytes);
+}
+
+absl::StatusOr<Token> DataPlane::OpenRead(
+    store::ReadResult result, std::vector<std::vector<uint64_t>> layer_ends,
+    StagingReservation reservation, absl::Time deadline) {
+  if (layer_ends.size() != result.blocks.size()) {
+    return absl::InternalError("layer offsets do not match the blocks");
+  }
+  absl::StatusOr<Token> token = NewToken();
+  if (!token.ok()) return token.status();
+  auto session = std::make_shared<ReadSession>();
+  session->id = result.lease_id;
+  session->token = *token;
+  session->deadline = deadline;
+  session->result = std::move(result);
+  session->layer_ends = std::move(layer_ends);
+  session->num_layers = 1;
+  for (const auto& ends : session->layer_ends) {
+    session->num_layers =
+        std::max(session->num_layers, static_cast<uint32_t>(ends.size()));
+  }
+  session->reservation = std::move(reservation);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (draining_) return absl::UnavailableError("the node is draining");
+  reads_[session->id] = std::move(session);
+  return *token;
+}
+
+ucs_status_t DataPlane::OnReadStart(void* arg, const void* header,
+                                    size_t header_length, void* data,
+                                    size_t length,
+                                    const ucp_am_recv_param_t* param) noexcept {
+  auto* self = static_cast<DataPlane*>(arg);
+  Connection* conn = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
+                         ? self->FindConnection(param->reply_ep)
+                         : nullptr;
+  if (conn == nullptr) return UCS_OK;
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    // A read request is a few hundred bytes; a rendezvous one is abuse.
+    self->CloseConnection(conn->id, "oversized read request");
+    return UCS_OK;
+  }
+  // Puts are issued from a task, not from inside this callback: the reply
+  // endpoint of a peer that connected to the worker address may still be
+  // completing its wireup here.
+  std::string copy_header(static_cast<const char*>(header), header_length);
+  std::string copy_data(static_cast<const char*>(data), length);
+  const uint64_t conn_id = conn->id;
+  self->loop_->Post(
+      [self, conn_id, h = std::move(copy_header), d = std::move(copy_data)] {
+        auto it = self->connections_.find(conn_id);
+        if (it == self->connections_.end()) return;
+        self->HandleReadStart(it->second.get(), h, d);
+      });
+  return UCS_OK;
+}
+
+void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
+                                absl::string_view data) {
+  absl::StatusOr<ReadStartHeader> h = DecodeReadStart(header);
+  if (!h.ok()) {
+    CloseConnection(conn->id, "malformed read header");
+    return;
+  }
+  std::shared_ptr<ReadSession> session;
+  bool known = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = reads_.find(h->read_id);
+    known = it != reads_.end();
+    if (known && TokenEquals(it->second->token, h->token) &&
+        it->second->state == ReadSession::State::kWaiting) {
+      session = it->second;
+      session->state = ReadSession::State::kTransferring;
+      session->conn_id = conn->id;
+    }
+  }
+  if (session == nullptr) {
+    if (!known && conn->authenticated) {
+      // An expired read, asked for by a connection that has authenticated
+      // before: tell it rather than leave it waiting.
+      SendReadStatus(conn->id, h->read_id, h->token, 0, 0,
+                     absl::FailedPreconditionError(
+                         "read lease is unknown or has expired"));
+    } else {
+      CloseConnection(conn->id, "read request without a valid token");
+    }
+    return;
+  }
+  conn->authenticated = true;
+  const size_t blocks = session->result.blocks.size();
+  if (h->num_blocks != blocks || data.size() != uint64_t{h->rkey_length} +
+                                                    8 * uint64_t{blocks} +
+                                                    h->client_address_length) {
+    FinishRead(
+        session,
+        absl::InvalidArgumentError(absl::StrCat(
+            "read request names ", h->num_blocks, " blocks with ", data.size(),
+            " bytes of keys and addresses; the read has ", blocks, " blocks")));
+    return;
+  }
+  if (conn->adopted && conn->put_ep == nullptr) {
+    bool peer_errors = false;
+    absl::StatusOr<std::unique_ptr<Endpoint>> put_ep =
+        Endpoint::ConnectToWorker(
+            loop_->worker(),
+            data.substr(h->rkey_length + 8 * blocks, h->client_address_length),
+            &DataPlane::OnEndpointError, this, &peer_errors);
+    if (!put_ep.ok()) {
+      FinishRead(session, put_ep.status());
+      return;
+    }
+    conn->put_ep = *std::move(put_ep);
+    connection_by_ep_[conn->put_ep->get()] = conn->id;
+  }
+  absl::StatusOr<std::unique_ptr<RemoteKey>> rkey =
+      RemoteKey::Unpack(conn->out(), data.substr(0, h->rkey_length));
+  if (!rkey.ok()) {
+    FinishRead(session, rkey.status());
+    return;
+  }
+  session->rkey = *std::move(rkey);
+  std::vector<uint64_t> remote(blocks);
+  for (size_t i = 0; i < blocks; ++i) {
+    remote[i] = LoadLe64(data.data() + h->rkey_length + 8 * i);
+  }
+  StartPuts(session, conn, std::move(remote), h->per_layer != 0);
+}
+
+void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
+                          Connection* conn, std::vector<uint64_t> remote,
+                          bool per_layer) {
+  const uint64_t conn_id = conn->id;
+  const ucp_ep_h ep = conn->out().get();
+  const ucp_rkey_h rkey = session->rkey->get();
+  const uint32_t num_layers = session->num_layers;
+  // Per layer: slice l of every block, then a flush and a report. Whole
+  // blocks: one slice per block, one flush, one report. A block whose
+  // layers are not separable goes whole with the first slice.
+  const uint32_t slices = per_layer ? num_layers : 1;
+  auto track = [this, session](absl::Status status) {
+    loop_->AddBusy(-1);
+    --session->outstanding;
+    if (!status.ok() && session->error.ok()) session->error = status;
+    ReleaseIfIdle(*session);
+  };
+  for (uint32_t slice = 0; slice < slices; ++slice) {
+    for (size_t b = 0; b < session->result.blocks.size(); ++b) {
+      const std::string& bytes = session->result.blocks[b].data;
+      const std::vector<uint64_t>& ends = session->layer_ends[b];
+      uint64_t start = 0;
+      uint64_t end = bytes.size();
+      if (per_layer && ends.size() == num_layers) {
+        start = slice == 0 ? 0 : ends[slice - 1];
+        end = ends[slice];
+      } else if (slice > 0) {
+        continue;  // sent whole with slice 0
+      }
+      if (end <= start || end > bytes.size()) continue;
+      const char* src = bytes.data() + start;
+      const uint64_t length = end - start;
+      const uint64_t dst = remote[b] + start;
+      ++session->outstanding;
+      loop_->AddBusy(1);
+      Operation::Start(
+          Operation::Kind::kSend,
+          [ep, rkey, src, length, dst](const ucp_request_param_t& param,
+                                       absl::string_view) {
+            return ucp_put_nbx(ep, src, length, dst, rkey, &param);
+          },
+          track);
+    }
+    // The flush completes once every put issued so far is in the client's
+    // memory; then the client hears that these layers are there.
+    const uint32_t layers_done = per_layer ? slice + 1 : num_layers;
+    ++session->outstanding;
+    loop_->AddBusy(1);
+    Operation::Start(
+        Operation::Kind::kSend,
+        [ep](const ucp_request_param_t& param, absl::string_view) {
+          return ucp_ep_flush_nbx(ep, &param);
+        },
+        [this, session, conn_id, layers_done, num_layers](absl::Status status) {
+          loop_->AddBusy(-1);
+          --session->outstanding;
+          if (!status.ok() && session->error.ok()) session->error = status;
+          if (session->finished) {
+            ReleaseIfIdle(*session);
+            return;
+          }
+          if (!session->error.ok()) {
+            FinishRead(session, session->error);
+            return;
+          }
+          session->layers_done = layers_done;
+          SendReadStatus(conn_id, session->id, session->token, layers_done,
+                         num_layers, absl::OkStatus());
+          if (layers_done == num_layers) FinishRead(session, absl::OkStatus());
+        });
+  }
+}
+
+void DataPlane::SendReadStatus(uint64_t conn_id, uint64_t read_id,
+                               const Token& token, uint32_t layers_done,
+                               uint32_t num_layers,
+                               const absl::Status& status) {
+  auto it = connections_.find(conn_id);
+  if (it == connections_.end()) return;
+  ReadStatusHeader h;
+  h.read_id = read_id;
+  h.token = token;
+  h.layers_done = layers_done;
+  h.num_layers = num_layers;
+  h.code = static_cast<int32_t>(status.code());
+  std::string header = Encode(h);
+  const size_t header_size = header.size();
+  const ucp_ep_h ep = it->second->out().get();
+  // Header and message live in the operation until it completes.
+  std::string keep = absl::StrCat(header, status.message());
+  loop_->AddBusy(1);
+  Operation::Start(
+      Operation::Kind::kSend,
+      [ep, header_size](const ucp_request_param_t& param,
+                        absl::string_view kept) {
+        ucp_request_param_t p = param;
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+        return ucp_am_send_nbx(ep, kAmReadStatus, kept.data(), header_size,
+                               kept.data() + header_size,
+                               kept.size() - header_size, &p);
+      },
+      [this](absl::Status) { loop_->AddBusy(-1); }, std::move(keep));
+}
+
+void DataPlane::FinishRead(const std::shared_ptr<ReadSession>& session,
+                           absl::Status status) {
+  if (session->finished) return;
+  session->finished = true;
+  uint64_t conn_id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    session->state = ReadSession::State::kDone;
+    conn_id = session->conn_id;
+    auto it = reads_.find(session->id);
+    if (it != reads_.end() && it->second == session) reads_.erase(it);
+  }
+  if (!status.ok()) {
+    SendReadStatus(conn_id, session->id, session->token, session->layers_done,
+                   session->num_layers, status);
+  } else if (observer_) {
+    uint64_t bytes = 0;
+    for (const store::ReadBlock& b : session->result.blocks) {
+      bytes += b.data.size();
+    }
+    observer_(/*inbound=*/false, bytes);
+  }
+  store_->EndLease(session->id).IgnoreError();
+  ReleaseIfIdle(*session);
+}
+
+void DataPlane::ReleaseIfIdle(ReadSession& session) {
+  if (!session.finished || session.outstanding > 0) return;
+  // No operation references the copies or the key any more.
+  session.rkey.reset();
+  session.result.blocks.clear();
+  session.result.blocks.shrink_to_fit();
+  session.reservation = StagingReservation();
+}
+
+// ----------------------------------------------------------- connections
+
+void DataPlane::OnConnRequest(ucp_conn_request_h request, void* arg) noexcept {
+  auto* self = static_cast<DataPlane*>(arg);
+  ConnRequest owned(self->listener_->get(), request);
+  {
+    std::lock_guard<std::mutex> lock(self->mu_);
+    if (self->draining_) return;  // rejected by ~ConnRequest
+  }
+  auto conn = std::make_unique<Connection>();
+  conn->id = self->next_connection_id_++;
+  conn->peer = owned.PeerAddress();
+  conn->accepted = absl::Now();
+  absl::StatusOr<std::unique_ptr<Endpoint>> ep = Endpoint::Accept(
+      self->loop_->worker(), &owned, &DataPlane::OnEndpointError, self);
+  if (!ep.ok()) return;
+  conn->ep = *std::move(ep);
+  self->connection_by_ep_[conn->ep->get()] = conn->id;
+  self->connections_[conn->id] = std::move(conn);
+  self->connection_count_.store(
+      static_cast<uint32_t>(self->connections_.size()));
+}
+
+void DataPlane::OnEndpointError(void* arg, ucp_ep_h ep,
+                                ucs_status_t status) noexcept {
+  auto* self = static_cast<DataPlane*>(arg);
+  auto it = self->connection_by_ep_.find(ep);
+  if (it == self->connection_by_ep_.end()) return;
+  uint64_t conn_id = it->second;
+  // Closing from inside a UCX callback is not allowed: defer it.
+  self->loop_->Post(
+      [self, conn_id] { self->CloseConnection(conn_id, "peer failed"); });
+}
+
+DataPlane::Connection* DataPlane::FindConnection(ucp_ep_h ep) {
+  auto it = connection_by_ep_.find(ep);
+  if (it != connection_by_ep_.end()) {
+    auto conn = connections_.find(it->second);
+    return conn == connections_.end() ? nullptr : conn->second.get();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (draining_) return nullptr;
+  }
+  // A peer that connected to the worker's address: UCX made this endpoint
+  // for it. It is ours now, and it is on probation like any other.
+  auto conn = std::make_unique<Connection>();
+  conn->id = next_connection_id_++;
+  conn->accepted = absl::Now();
+  conn->ep = Endpoint::Adopt(ep);
+  conn->adopted = true;
+  Connection* raw = conn.get();
+  connection_by_ep_[ep] = conn->id;
+  connections_[conn->id] = std::move(conn);
+  connection_count_.store(static_cast<uint32_t>(connections_.size()));
+  return raw;
+}
+
+void DataPlane::CloseConnection(uint64_t conn_id, const char* why) {
+  // Deferred to a task so that no UCX callback destroys its own endpoint.
+  // Once stopping, the post is refused and Stop() closes every connection.
+  loop_->Post([this, conn_id, why] {
+    auto it = connections_.find(conn_id);
+    if (it == connections_.end()) return;
+    if (!it->second->authenticated) {
+      rejected_connections_.fetch_add(1);
+      service::LogInfo(absl::StrCat("closed a UCX data-plane connection",
+                                    it->second->peer.empty() ? "" : " from ",
+                                    it->second->peer, ": ", why));
+    }
+    std::unique_ptr<Connection> conn = std::move(it->second);
+    connections_.erase(it);
+    connection_by_ep_.erase(conn->ep->get());
+    if (conn->put_ep != nullptr) {
+      connection_by_ep_.erase(conn->put_ep->get());
+      conn->put_ep.reset();
+    }
+    connection_count_.store(static_cast<uint32_t>(connections_.size()));
+    conn.reset();  // force close: its operations fail now
+    DropConnectionSessions(conn_id);
+  });
+}
+
+void DataPlane::DropConnectionSessions(uint64_t conn_id) {
+  std::vector<std::shared_ptr<WriteSession>> writes;
+  std::vector<std::function<void()>> work;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<uint64_t> ids;
+    for (auto& [id, session] : writes_) {
+      if (session->conn_id == conn_id) ids.push_back(id);
+    }
+    for (uint64_t id : ids) {
+      WriteSession& s = *writes_[id];
+      if (s.waiter) {
+        if (s.error.ok()) {
+          s.error = absl::UnavailableError("the data-plane connection failed");
+        }
+        if (std::function<void()> w = TakeForCommitLocked(id)) {
+          work.push_back(std::move(w));
+        }
+      } else {
+        writes.push_back(writes_[id]);
+        writes_.erase(id);
+      }
+    }
+  }
+  for (auto& w : work) w();
+  for (auto& s : writes) store_->AbortWrite(s->id).IgnoreError();
+  // Reads bound to the connection end when their flush fails (the
+  // endpoint was force-closed); reads not started are not bound yet.
+}
+
+// ---------------------------------------------------------------- expiry
+
+void DataPlane::Expire(absl::Time now) {
+  std::vector<std::function<void()>> work;
+  std::vector<std::shared_ptr<WriteSession>> expired_writes;
+  std::vector<std::shared_ptr<ReadSession>> expired_reads;
+  std::vector<uint64_t> close;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return;
+    std::vector<uint64_t> ids;
+    for (auto& [id, session] : writes_) {
+      if (session->waiter && now >= session->commit_deadline) {
+        if (session->error.ok()) {
+          session->error = absl::DeadlineExceededError(
+              "not every block arrived before the commit's deadline");
+        }
+        ids.push_back(id);
+      } else if (!session->waiter && now >= session->deadline) {
+        expired_writes.push_back(session);
+      }
+    }
+    for (uint64_t id : ids) {
+      if (std::function<void()> w = TakeForCommitLocked(id)) {
+        work.push_back(std::move(w));
+      }
+    }
+    for (auto& s : expired_writes) {
+      writes_.erase(s->id);
+      if (s->in_flight > 0 && s->conn_id != 0) close.push_back(s->conn_id);
+    }
+    for (auto& [id, session] : reads_) {
+      if (now < session->deadline) continue;
+      if (session->state == ReadSession::State::kWaiting) {
+        expired_reads.push_back(session);
+      } else if (session->conn_id != 0) {
+        close.push_back(session->conn_id);  // stuck mid-transfer
+      }
+    }
+    for (auto& s : expired_reads) reads_.erase(s->id);
+  }
+  for (auto& w : work) w();
+  for (auto& s : expired_writes) store_->AbortWrite(s->id).IgnoreError();
+  for (auto& s : expired_reads) store_->EndLease(s->id).IgnoreError();
+  for (uint64_t id : close) CloseConnection(id, "session expired mid-transfer");
+  const absl::Duration handshake = options_.handshake_timeout;
+  loop_->Post([this, now, handshake] {
+    std::vector<uint64_t> idle;
+    for (auto& [id, conn] : connections_) {
+      if (!conn->authenticated && now - conn->accepted > handshake) {
+        idle.push_back(id);
+      }
+    }
+    for (uint64_t id : idle) CloseConnection(id, "no token presented in time");
+  });
+}
+
+}  // namespace kvcache::ucx

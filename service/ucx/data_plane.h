@@ -1,0 +1,240 @@
+// DataPlane: the node's UCX data plane (BRIEF section 5). One UCX context,
+// one worker progressed by one thread (WorkerLoop), one listener. KV bytes
+// travel here; the gRPC control plane (service/kvcache_service.cc) opens and
+// closes the sessions that allow them to.
+//
+// Protocol (service/ucx/wire.h has the message formats):
+//  * Write: BeginWrite (gRPC) reserves store pages and, through OpenWrite,
+//    staging for every block not present, and returns the listener address
+//    and a fresh token. The client sends each block as one active message
+//    (rendezvous for large blocks: the node receives it straight into its
+//    staging buffer). CommitWrite (gRPC, no payloads) waits until every
+//    block has landed, then runs Store::CommitWrite on the worker pool over
+//    the staged bytes; the batch becomes visible only then. Staging is freed
+//    when the commit ends, when the write is aborted, when its connection
+//    fails, or when its lease expires.
+//  * Read: BeginRead (gRPC, inline_data = false) reserves staging for the
+//    verified copies Store::BeginRead makes (keep_lease = true) and, through
+//    OpenRead, returns the address and a token. The client registers its
+//    destination memory and sends ReadStart with the packed remote key and
+//    one address per block; the node puts the blocks there (layer by layer
+//    when asked), flushes, and reports each layer with ReadStatus. When the
+//    read ends (done, failed, or expired) the node destroys the remote key,
+//    ends the store lease and frees the copies. The node never packs a
+//    remote key of its own memory.
+//
+// Invariants:
+//  * Staging bytes (write buffers and read copies) never exceed
+//    options.staging_bytes; a request that would exceed it gets
+//    RESOURCE_EXHAUSTED at the control plane, before any byte moves.
+//  * Clients connect through the listener or, when they have it, straight
+//    to the worker's address (UCX then may use shared memory); both kinds
+//    of connection are the same to the rules below.
+//  * A connection whose first active message does not carry a valid token
+//    of a live session, or that sends none within handshake_timeout, is
+//    closed. Any later message with a bad token closes it too.
+//  * A session is bound to the first connection that presents its token;
+//    other connections cannot touch it.
+//  * Every wait is bounded: commit waits by the call's deadline (and the
+//    drain deadline), sessions by their lease deadline; a session that
+//    expires with bytes in flight force-closes its connection so that the
+//    transfers fail and their buffers are released.
+//  * Memory that UCX may still write (an in-flight receive) or read (an
+//    in-flight put) is owned by that operation's completion, so dropping a
+//    session never frees bytes under a transfer.
+#ifndef KVCACHE_SERVICE_UCX_DATA_PLANE_H_
+#define KVCACHE_SERVICE_UCX_DATA_PLANE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "service/ucx/handles.h"
+#include "service/ucx/staging.h"
+#include "service/ucx/wire.h"
+#include "service/ucx/worker_loop.h"
+#include "store/store.h"
+
+namespace kvcache::ucx {
+
+struct DataPlaneOptions {
+  // HOST:PORT of the listener; port 0 picks a free port.
+  std::string listen = "0.0.0.0:0";
+  // The host clients dial; empty: the listen host. A wildcard host (0.0.0.0,
+  // ::, empty) is advertised as ":PORT", which clients complete with the
+  // host of their gRPC target.
+  std::string advertise_host;
+  uint64_t staging_bytes = 256ull << 20;
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  // Lease TTLs as the store applies them (StoreOptions), so that a
+  // session ends when its lease does.
+  absl::Duration default_lease_ttl = absl::Seconds(30);
+  absl::Duration max_lease_ttl = absl::Minutes(10);
+  // Progress-thread tuning (see WorkerLoop).
+  int spin_iterations = 64;
+};
+
+struct DataPlaneStats {
+  uint64_t staging_capacity_bytes = 0;
+  uint64_t staging_used_bytes = 0;    // held for clients' transfers
+  uint64_t staging_cached_bytes = 0;  // freed buffers kept for reuse
+  uint32_t connections = 0;
+  uint32_t write_sessions = 0;
+  uint32_t read_sessions = 0;
+  uint64_t rejected_connections = 0;
+};
+
+class DataPlane {
+ public:
+  // Runs `work` on the worker pool (encode-heavy commits).
+  using Executor = std::function<void(std::function<void()> work)>;
+  // Bytes moved by the data plane; inbound: writes, else reads.
+  using TransferObserver = std::function<void(bool inbound, uint64_t bytes)>;
+  using CommitDone =
+      std::function<void(absl::StatusOr<store::CommitResult> result)>;
+
+  static absl::StatusOr<std::unique_ptr<DataPlane>> Start(
+      DataPlaneOptions options, store::Store* store, Executor executor,
+      TransferObserver observer);
+  ~DataPlane();
+  DataPlane(const DataPlane&) = delete;
+  DataPlane& operator=(const DataPlane&) = delete;
+
+  // "host:port" (or ":port", see DataPlaneOptions::advertise_host).
+  const std::string& address() const { return address_; }
+  // The worker's packed UCX address (DataPlaneInfo.worker_address).
+  const std::string& worker_address() const { return worker_address_; }
+  int port() const { return port_; }
+
+  // After Store::BeginWrite succeeded: a session for `begin.write_id`, with
+  // staging for each block not present. RESOURCE_EXHAUSTED when staging is
+  // full (the caller aborts the store write), UNAVAILABLE while draining.
+  absl::StatusOr<Token> OpenWrite(const store::BeginWriteResult& begin,
+                                  absl::Time deadline);
+  // CommitWrite without payloads. False when `write_id` has no session (the
+  // caller takes the inline path). Otherwise `done` runs exactly once, on a
+  // worker or the caller's thread, when every block has landed and the store
+  // commit ended, or with an error (a bad block, a failed connection,
+  // DEADLINE_EXCEEDED at `deadline`).
+  bool Commit(uint64_t write_id, absl::Time deadline, CommitDone done);
+  // Drops the session of `write_id` if there is one (AbortWrite).
+  void Abort(uint64_t write_id);
+
+  // Staging for `bytes` of read copies; RESOURCE_EXHAUSTED when full.
+  absl::StatusOr<StagingReservation> ReserveStaging(uint64_t bytes);
+  // After Store::BeginRead(keep_lease = true): a session for the lease that
+  // holds the copies until the client has them. `layer_ends[b][l]` is the
+  // byte offset in block b where layer l ends (see LayerEnds).
+  absl::StatusOr<Token> OpenRead(store::ReadResult result,
+                                 std::vector<std::vector<uint64_t>> layer_ends,
+                                 StagingReservation reservation,
+                                 absl::Time deadline);
+
+  // Called periodically (the node's reaper): fails commit waits past their
+  // deadline, drops expired sessions, closes connections that never
+  // presented a token.
+  void Expire(absl::Time now);
+  // New sessions are refused from now on; commit waits end by `deadline`.
+  void BeginDrain(absl::Time deadline);
+  // Closes the listener and every connection, fails what is pending and
+  // frees every session. Idempotent; the destructor calls it.
+  void Stop();
+
+  DataPlaneStats Stats() const;
+
+  // For each block of `result`, the offsets where each of its layers ends
+  // in `format` (fp16: equal slices; raw: the sections of the codec the
+  // block is stored with). A block whose layers cannot be told apart gets
+  // one entry, its length.
+  static std::vector<std::vector<uint64_t>> LayerEnds(
+      const store::ReadResult& result, store::ReadFormat format);
+  // The lease deadline for a TTL asked for in milliseconds (0: default),
+  // as the store computes it.
+  absl::Time LeaseDeadline(uint32_t ttl_ms) const;
+
+ private:
+  struct Connection;
+  struct WriteSession;
+  struct ReadSession;
+
+  DataPlane(DataPlaneOptions options, store::Store* store, Executor executor,
+            TransferObserver observer);
+  absl::Status Listen();
+
+  // UCX callbacks (loop thread).
+  static void OnConnRequest(ucp_conn_request_h request, void* arg) noexcept;
+  static void OnEndpointError(void* arg, ucp_ep_h ep,
+                              ucs_status_t status) noexcept;
+  static ucs_status_t OnWriteBlock(void* arg, const void* header,
+                                   size_t header_length, void* data,
+                                   size_t length,
+                                   const ucp_am_recv_param_t* param) noexcept;
+  static ucs_status_t OnReadStart(void* arg, const void* header,
+                                  size_t header_length, void* data,
+                                  size_t length,
+                                  const ucp_am_recv_param_t* param) noexcept;
+
+  // Loop thread. The connection an active message came from; a peer that
+  // connected to the worker address is adopted here, unauthenticated.
+  Connection* FindConnection(ucp_ep_h ep);
+  void CloseConnection(uint64_t conn_id, const char* why);
+  void HandleWriteBlock(Connection* conn, absl::string_view header, void* data,
+                        size_t length, bool rendezvous);
+  void HandleReadStart(Connection* conn, absl::string_view header,
+                       absl::string_view data);
+  void StartPuts(const std::shared_ptr<ReadSession>& session, Connection* conn,
+                 std::vector<uint64_t> remote, bool per_layer);
+  void FinishRead(const std::shared_ptr<ReadSession>& session,
+                  absl::Status status);
+  // Frees a finished read's key, copies and staging once no operation
+  // references them.
+  static void ReleaseIfIdle(ReadSession& session);
+  void SendReadStatus(uint64_t conn_id, uint64_t read_id, const Token& token,
+                      uint32_t layers_done, uint32_t num_layers,
+                      const absl::Status& status);
+
+  // Takes the session out of the table and runs or schedules its end: the
+  // store commit (all landed), or abort + error. Called with mu_ held;
+  // returns work to run after unlocking.
+  std::function<void()> TakeForCommitLocked(uint64_t write_id);
+  // Binds a session to `conn_id` or checks that it is bound to it.
+  static bool BindLocked(uint64_t* session_conn, uint64_t conn_id);
+  void DropConnectionSessions(uint64_t conn_id);
+
+  const DataPlaneOptions options_;
+  store::Store* const store_;
+  const Executor executor_;
+  const TransferObserver observer_;
+  const std::shared_ptr<StagingBudget> budget_;
+  std::unique_ptr<WorkerLoop> loop_;
+  std::string address_;
+  std::string worker_address_;
+  int port_ = 0;
+
+  // Loop thread only.
+  std::unique_ptr<Listener> listener_;
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Connection>> connections_;
+  absl::flat_hash_map<ucp_ep_h, uint64_t> connection_by_ep_;
+  uint64_t next_connection_id_ = 1;
+
+  mutable std::mutex mu_;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<WriteSession>> writes_;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<ReadSession>> reads_;
+  bool draining_ = false;                               // guarded by mu_
+  absl::Time drain_deadline_ = absl::InfiniteFuture();  // guarded by mu_
+  bool stopped_ = false;                                // guarded by mu_
+  std::atomic<uint32_t> connection_count_{0};
+  std::atomic<uint64_t> rejected_connections_{0};
+};
+
+}  // namespace kvcache::ucx
+
+#endif  // KVCACHE_SERVICE_UCX_DATA_PLANE_H_

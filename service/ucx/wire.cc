@@ -1,0 +1,197 @@
+#include "service/ucx/wire.h"
+
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcache::ucx {
+namespace {
+
+// Appends little-endian integers; reads them back with bounds checked by
+// the caller (the decoders check the total size first).
+class Writer {
+ public:
+  explicit Writer(unsigned kind) {
+    U32(kWireMagic);
+    U8(kWireVersion);
+    U8(static_cast<uint8_t>(kind & 0xff));
+    U16(0);
+  }
+  void U8(uint8_t v) { out_.push_back(static_cast<char>(v)); }
+  void U16(uint16_t v) { Le(v, 2); }
+  void U32(uint32_t v) { Le(v, 4); }
+  void U64(uint64_t v) { Le(v, 8); }
+  void Bytes(const Token& t) {
+    out_.append(reinterpret_cast<const char*>(t.data()), t.size());
+  }
+  std::string Take() { return std::move(out_); }
+
+ private:
+  void Le(uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) out_.push_back(static_cast<char>(v >> (8 * i)));
+  }
+  std::string out_;
+};
+
+class Reader {
+ public:
+  explicit Reader(absl::string_view in) : in_(in) {}
+  uint8_t U8() { return static_cast<uint8_t>(in_[pos_++]); }
+  uint16_t U16() { return static_cast<uint16_t>(Le(2)); }
+  uint32_t U32() { return static_cast<uint32_t>(Le(4)); }
+  uint64_t U64() { return Le(8); }
+  void Bytes(Token* t) {
+    std::memcpy(t->data(), in_.data() + pos_, t->size());
+    pos_ += t->size();
+  }
+
+ private:
+  uint64_t Le(int n) {
+    uint64_t v = 0;
+    for (int i = 0; i < n; ++i) {
+      v |= static_cast<uint64_t>(static_cast<uint8_t>(in_[pos_++])) << (8 * i);
+    }
+    return v;
+  }
+  absl::string_view in_;
+  size_t pos_ = 0;
+};
+
+constexpr size_t kPrefixBytes = 8;
+constexpr size_t kWriteBlockBytes = kPrefixBytes + 8 + 16 + 4 + 8;
+constexpr size_t kReadStartBytes = kPrefixBytes + 8 + 16 + 4 + 4 + 4 + 1;
+constexpr size_t kReadStatusBytes = kPrefixBytes + 8 + 16 + 4 + 4 + 4;
+
+absl::Status CheckPrefix(absl::string_view bytes, size_t want, unsigned kind,
+                         Reader* r) {
+  if (bytes.size() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data-plane header of ", bytes.size(), " bytes; expected ", want));
+  }
+  uint32_t magic = r->U32();
+  uint8_t version = r->U8();
+  uint8_t k = r->U8();
+  r->U16();
+  if (magic != kWireMagic || version != kWireVersion ||
+      k != static_cast<uint8_t>(kind & 0xff)) {
+    return absl::InvalidArgumentError(
+        "data-plane header with a bad magic, version or kind");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Token> NewToken() {
+  Token t;
+  size_t filled = 0;
+  while (filled < t.size()) {
+    ssize_t n = getrandom(t.data() + filled, t.size() - filled, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return absl::InternalError(absl::StrCat("getrandom: ", strerror(errno)));
+    }
+    filled += static_cast<size_t>(n);
+  }
+  return t;
+}
+
+bool TokenEquals(const Token& a, const Token& b) {
+  uint8_t diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
+  return diff == 0;
+}
+
+std::string TokenBytes(const Token& token) {
+  return std::string(reinterpret_cast<const char*>(token.data()), token.size());
+}
+
+absl::StatusOr<Token> TokenFromBytes(absl::string_view bytes) {
+  Token t;
+  if (bytes.size() != t.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data-plane token of ", bytes.size(), " bytes"));
+  }
+  std::memcpy(t.data(), bytes.data(), t.size());
+  return t;
+}
+
+std::string Encode(const WriteBlockHeader& h) {
+  Writer w(kAmWriteBlock);
+  w.U64(h.write_id);
+  w.Bytes(h.token);
+  w.U32(h.index);
+  w.U64(h.length);
+  return w.Take();
+}
+
+std::string Encode(const ReadStartHeader& h) {
+  Writer w(kAmReadStart);
+  w.U64(h.read_id);
+  w.Bytes(h.token);
+  w.U32(h.num_blocks);
+  w.U32(h.rkey_length);
+  w.U32(h.client_address_length);
+  w.U8(h.per_layer);
+  return w.Take();
+}
+
+std::string Encode(const ReadStatusHeader& h) {
+  Writer w(kAmReadStatus);
+  w.U64(h.read_id);
+  w.Bytes(h.token);
+  w.U32(h.layers_done);
+  w.U32(h.num_layers);
+  w.U32(static_cast<uint32_t>(h.code));
+  return w.Take();
+}
+
+absl::StatusOr<WriteBlockHeader> DecodeWriteBlock(absl::string_view bytes) {
+  Reader r(bytes);
+  if (absl::Status s = CheckPrefix(bytes, kWriteBlockBytes, kAmWriteBlock, &r);
+      !s.ok()) {
+    return s;
+  }
+  WriteBlockHeader h;
+  h.write_id = r.U64();
+  r.Bytes(&h.token);
+  h.index = r.U32();
+  h.length = r.U64();
+  return h;
+}
+
+absl::StatusOr<ReadStartHeader> DecodeReadStart(absl::string_view bytes) {
+  Reader r(bytes);
+  if (absl::Status s = CheckPrefix(bytes, kReadStartBytes, kAmReadStart, &r);
+      !s.ok()) {
+    return s;
+  }
+  ReadStartHeader h;
+  h.read_id = r.U64();
+  r.Bytes(&h.token);
+  h.num_blocks = r.U32();
+  h.rkey_length = r.U32();
+  h.client_address_length = r.U32();
+  h.per_layer = r.U8();
+  return h;
+}
+
+absl::StatusOr<ReadStatusHeader> DecodeReadStatus(absl::string_view bytes) {
+  Reader r(bytes);
+  if (absl::Status s = CheckPrefix(bytes, kReadStatusBytes, kAmReadStatus, &r);
+      !s.ok()) {
+    return s;
+  }
+  ReadStatusHeader h;
+  h.read_id = r.U64();
+  r.Bytes(&h.token);
+  h.layers_done = r.U32();
+  h.num_layers = r.U32();
+  h.code = static_cast<int32_t>(r.U32());
+  return h;
+}
+
+}  // namespace kvcache::ucx

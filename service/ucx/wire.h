@@ -1,0 +1,94 @@
+// The UCX data plane's wire format: active-message ids, their headers, and
+// the per-lease token. Shared by the node (service/ucx/data_plane.h) and the
+// client (client/ucx/).
+//
+// Messages (all AMs carry UCP_AM_SEND_FLAG_REPLY so that the node knows the
+// sending endpoint; every header starts with magic "KVUX" and a version):
+//
+//   kAmWriteBlock  client -> node  header WriteBlockHeader, data = the fp16
+//                  bytes of block `index` of write `write_id` (rendezvous for
+//                  large blocks: the node receives straight into staging).
+//   kAmReadStart   client -> node  header ReadStartHeader, data = the packed
+//                  remote key of the client's destination region, one
+//                  little-endian u64 destination address per block, then
+//                  the client's own worker address (the node puts through
+//                  an endpoint of its own to it when the client connected
+//                  to the node's worker address rather than its listener).
+//   kAmReadStatus  node -> client  header ReadStatusHeader (with the read's
+//                  token, which names the read on the client), data = an
+//                  error message when `code` is not 0. Sent after each
+//                  layer's puts have completed at the client (`layers_done`
+//                  counts them; `layers_done == num_layers` ends the read)
+//                  or once with the error that ended the read.
+//
+// Invariants:
+//  * A token is 16 bytes from the kernel's CSPRNG (getrandom), issued by the
+//    node through the gRPC control plane for exactly one lease, and compared
+//    in constant time.
+//  * Every header is fixed-size, little-endian, and parsed with its length
+//    checked: a short, long or unknown header is rejected, never read past.
+#ifndef KVCACHE_SERVICE_UCX_WIRE_H_
+#define KVCACHE_SERVICE_UCX_WIRE_H_
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvcache::ucx {
+
+inline constexpr unsigned kAmWriteBlock = 0x4b01;
+inline constexpr unsigned kAmReadStart = 0x4b02;
+inline constexpr unsigned kAmReadStatus = 0x4b03;
+
+inline constexpr uint32_t kWireMagic = 0x5855564b;  // "KVUX"
+inline constexpr uint8_t kWireVersion = 1;
+
+using Token = std::array<uint8_t, 16>;
+
+// A fresh token from getrandom(2). INTERNAL if the kernel refuses.
+absl::StatusOr<Token> NewToken();
+// Constant-time equality.
+bool TokenEquals(const Token& a, const Token& b);
+std::string TokenBytes(const Token& token);
+// INVALID_ARGUMENT unless `bytes` is exactly 16 bytes.
+absl::StatusOr<Token> TokenFromBytes(absl::string_view bytes);
+
+struct WriteBlockHeader {
+  uint64_t write_id = 0;
+  Token token{};
+  uint32_t index = 0;
+  uint64_t length = 0;  // bytes of data that follow
+};
+
+struct ReadStartHeader {
+  uint64_t read_id = 0;
+  Token token{};
+  uint32_t num_blocks = 0;
+  uint32_t rkey_length = 0;
+  uint32_t client_address_length = 0;
+  // 1: put layer by layer and report each layer; 0: whole blocks, one report.
+  uint8_t per_layer = 0;
+};
+
+struct ReadStatusHeader {
+  uint64_t read_id = 0;
+  Token token{};
+  uint32_t layers_done = 0;
+  uint32_t num_layers = 0;
+  int32_t code = 0;  // absl::StatusCode of the failure; 0 while fine
+};
+
+std::string Encode(const WriteBlockHeader& h);
+std::string Encode(const ReadStartHeader& h);
+std::string Encode(const ReadStatusHeader& h);
+// INVALID_ARGUMENT for a header of the wrong size, magic or version.
+absl::StatusOr<WriteBlockHeader> DecodeWriteBlock(absl::string_view bytes);
+absl::StatusOr<ReadStartHeader> DecodeReadStart(absl::string_view bytes);
+absl::StatusOr<ReadStatusHeader> DecodeReadStatus(absl::string_view bytes);
+
+}  // namespace kvcache::ucx
+
+#endif  // KVCACHE_SERVICE_UCX_WIRE_H_

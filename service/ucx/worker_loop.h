@@ -1,0 +1,93 @@
+// WorkerLoop: one UCX context and worker and the thread that progresses it.
+//
+// Invariants:
+//  * Only the loop thread touches the worker and the objects bound to it
+//    (listener, endpoints, remote keys, requests); other threads hand work
+//    over with Post(), which never blocks on the loop.
+//  * The thread never sleeps while the owner reports operations in flight
+//    (AddBusy) or within `spin_iterations` empty polls of the last event
+//    (it yields the CPU between polls); otherwise it arms the worker and
+//    sleeps in epoll on the worker's event fd and the loop's eventfd, at
+//    most `idle_wait` at a time, so that every wait is bounded.
+//  * Posted tasks run in FIFO order on the loop thread. Once Stop() has
+//    begun, Post() drops the task and returns false.
+//  * Stop() runs the owner's shutdown task on the loop thread (it must
+//    destroy every worker-bound object it owns), progresses for at most
+//    `grace` so that closes complete, joins the thread; then the worker and
+//    the context are destroyed, in that order.
+#ifndef KVCACHE_SERVICE_UCX_WORKER_LOOP_H_
+#define KVCACHE_SERVICE_UCX_WORKER_LOOP_H_
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "service/ucx/handles.h"
+
+namespace kvcache::ucx {
+
+class WorkerLoop {
+ public:
+  struct Options {
+    std::string name = "kvcache";
+    int spin_iterations = 64;
+    absl::Duration idle_wait = absl::Milliseconds(100);
+  };
+  using Task = absl::AnyInvocable<void()>;
+
+  static absl::StatusOr<std::unique_ptr<WorkerLoop>> Start(Options options);
+  ~WorkerLoop();
+  WorkerLoop(const WorkerLoop&) = delete;
+  WorkerLoop& operator=(const WorkerLoop&) = delete;
+
+  // Thread-safe. False (and the task is dropped) once Stop() has begun.
+  bool Post(Task task);
+  // Idempotent; see the invariants above. Must not be called on the loop
+  // thread.
+  void Stop(Task shutdown, absl::Duration grace = absl::Milliseconds(500));
+
+  const Context& context() const { return *context_; }
+  // Loop thread only.
+  const Worker& worker() const { return *worker_; }
+  bool InLoopThread() const {
+    return std::this_thread::get_id() == thread_.get_id();
+  }
+  // Loop thread only: operations in flight keep the thread spinning.
+  void AddBusy(int delta) { busy_ += delta; }
+
+ private:
+  WorkerLoop(Options options, std::unique_ptr<Context> context,
+             std::unique_ptr<Worker> worker, int event_fd, int epoll_fd);
+  void Run();
+  // Runs every queued task; true when there was one.
+  bool RunTasks();
+  void Wake();
+
+  const Options options_;
+  std::unique_ptr<Context> context_;
+  std::unique_ptr<Worker> worker_;
+  const int event_fd_;  // eventfd that Post() writes
+  const int epoll_fd_;
+  std::thread thread_;
+  int busy_ = 0;  // loop thread only
+
+  std::mutex mu_;
+  std::vector<Task> tasks_;         // guarded by mu_
+  std::atomic<size_t> pending_{0};  // tasks_.size(), read without mu_
+  Task shutdown_;                   // guarded by mu_
+  bool stopping_ = false;           // guarded by mu_
+  std::atomic<bool> stop_requested_{false};
+  absl::Duration grace_;  // written before stop_requested_ is set
+  std::mutex stop_mu_;    // serializes Stop()
+  bool stopped_ = false;  // guarded by stop_mu_
+};
+
+}  // namespace kvcache::ucx
+
+#endif  // KVCACHE_SERVICE_UCX_WORKER_LOOP_H_

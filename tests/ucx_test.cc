@@ -1,0 +1,647 @@
+// UCX data-plane tests: a node with --data-plane=ucx on loopback, driven by
+// clients that move the bytes over UCX (ClientOptions::data_plane = kUcx),
+// over tcp and over shared memory (UCX_TLS set before any UCX context is
+// created; every context of this process and of its children reads it).
+//
+// Also: a connection without a valid token is closed, a full staging area
+// answers RESOURCE_EXHAUSTED with a retry hint, and a client process killed
+// mid-transfer leaves no lease, pin or staging byte behind after the lease
+// TTL. The killed client is this binary, re-executed in child mode.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "kvcache/client.h"
+#include "service/flags.h"
+#include "service/metrics.h"
+#include "service/node.h"
+#include "service/ucx/handles.h"
+#include "service/ucx/wire.h"
+#include "service/ucx/worker_loop.h"
+#include "tests/test_util.h"
+
+namespace kvcache {
+namespace {
+
+using kvcache::testing::Key;
+using kvcache::testing::RandomBlock;
+using kvcache::testing::SmallShape;
+
+// 512 KiB fp16 blocks: large enough for rendezvous sends.
+kernels::BlockShape LargeShape() { return {4, 8, 128, 32}; }
+
+struct Transport {
+  const char* name;
+  const char* tls;
+};
+
+void PrintTo(const Transport& t, std::ostream* os) { *os << t.name; }
+
+void UseTransport(const Transport& t) {
+  setenv("UCX_TLS", t.tls, 1);
+  setenv("UCX_NET_DEVICES", "lo", 1);
+}
+
+class UcxTest : public ::testing::TestWithParam<Transport> {
+ protected:
+  void SetUp() override {
+    UseTransport(GetParam());
+    StartNode(256ull << 20, 64ull << 20, absl::Seconds(30));
+  }
+
+  void StartNode(uint64_t memory, uint64_t staging, absl::Duration ttl) {
+    client_.reset();
+    grpc_client_.reset();
+    node_.reset();
+    service::NodeOptions options;
+    options.listen = "127.0.0.1:0";
+    options.metrics_listen = "";
+    options.memory = {store::MemoryKind::kHost, 0, memory};
+    options.store.page_size = 16384;
+    options.store.max_blocks_per_request = 64;
+    options.store.default_lease_ttl = ttl;
+    options.max_request_bytes = 64 << 20;
+    options.drain_timeout = absl::Seconds(5);
+    options.worker_threads = 2;
+    options.reaper_interval = absl::Milliseconds(50);
+    options.data_plane = service::DataPlaneMode::kUcx;
+    options.ucx.listen = "127.0.0.1:0";
+    options.ucx.staging_bytes = staging;
+    options.ucx.handshake_timeout = absl::Seconds(1);
+    node_ = std::make_unique<service::Node>(options);
+    absl::Status started = node_->Start();
+    ASSERT_TRUE(started.ok()) << started;
+    ASSERT_NE(node_->ucx_port(), 0);
+    client_ = NewClient(DataPlane::kUcx);
+    grpc_client_ = NewClient(DataPlane::kGrpc);
+  }
+
+  std::string Target() const {
+    return absl::StrCat("127.0.0.1:", node_->port());
+  }
+
+  std::unique_ptr<Client> NewClient(DataPlane plane) {
+    ClientOptions copts;
+    copts.target = Target();
+    copts.timeout = absl::Seconds(20);
+    copts.max_message_bytes = 64 << 20;
+    copts.data_plane = plane;
+    auto client = Client::Connect(copts);
+    EXPECT_TRUE(client.ok());
+    return client.ok() ? *std::move(client) : nullptr;
+  }
+
+  NamespaceSpec Spec(const std::string& name, Codec codec,
+                     kernels::BlockShape shape) {
+    NamespaceSpec spec;
+    spec.name = name;
+    spec.model = "ucx-test";
+    spec.shape = shape;
+    CodecPolicy policy;
+    policy.codec = codec;
+    spec.policy = policy;
+    spec.residual_tokens = 0;  // every block in the namespace codec
+    return spec;
+  }
+
+  absl::StatusOr<PutResult> PutChain(Client* client, const std::string& ns,
+                                     kernels::BlockShape shape, int first,
+                                     int n) {
+    std::vector<BlockWrite> writes;
+    for (int i = first; i < first + n; ++i) {
+      data_[i] = RandomBlock(shape, i);
+    }
+    for (int i = first; i < first + n; ++i) {
+      writes.push_back({Key(i), "", data_[i]});
+    }
+    return client->Put(ns, writes);
+  }
+
+  static std::vector<std::string> Keys(int first, int n) {
+    std::vector<std::string> k;
+    for (int i = first; i < first + n; ++i) k.push_back(Key(i));
+    return k;
+  }
+
+  // Waits (bounded) until the node holds no data-plane state at all.
+  void ExpectNothingHeld(absl::Duration within) {
+    absl::Time deadline = absl::Now() + within;
+    ucx::DataPlaneStats dp;
+    store::StoreStats st;
+    do {
+      dp = node_->data_plane()->Stats();
+      st = node_->store()->Stats();
+      if (dp.staging_used_bytes == 0 && dp.write_sessions == 0 &&
+          dp.read_sessions == 0 && st.active_read_leases == 0 &&
+          st.active_write_leases == 0 && st.pinned_bytes == 0 &&
+          st.reserved_bytes == 0) {
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    } while (absl::Now() < deadline);
+    EXPECT_EQ(dp.staging_used_bytes, 0u);
+    EXPECT_EQ(dp.write_sessions, 0u);
+    EXPECT_EQ(dp.read_sessions, 0u);
+    EXPECT_EQ(st.active_read_leases, 0u);
+    EXPECT_EQ(st.active_write_leases, 0u);
+    EXPECT_EQ(st.pinned_bytes, 0u);
+    EXPECT_EQ(st.reserved_bytes, 0u);
+  }
+
+  std::unique_ptr<service::Node> node_;
+  std::unique_ptr<Client> client_;       // kUcx
+  std::unique_ptr<Client> grpc_client_;  // kGrpc
+  std::map<int, std::vector<uint16_t>> data_;
+};
+
+TEST_P(UcxTest, PutGetRoundTripsOverUcxInBothFormats) {
+  for (kernels::BlockShape shape : {SmallShape(), LargeShape()}) {
+    for (Codec codec : {Codec::kNone, Codec::kFp8E4M3, Codec::kKivi4}) {
+      std::string ns = absl::StrCat("ns-", kernels::CodecName(codec), "-",
+                                    kernels::Fp16BlockBytes(shape));
+      ASSERT_TRUE(client_->RegisterNamespace(Spec(ns, codec, shape)).ok());
+      auto put = PutChain(client_.get(), ns, shape, 0, 4);
+      ASSERT_TRUE(put.ok()) << put.status();
+      EXPECT_EQ(put->stored, 4u);
+      auto again = PutChain(client_.get(), ns, shape, 0, 6);
+      ASSERT_TRUE(again.ok()) << again.status();
+      EXPECT_EQ(again->stored, 2u);
+      EXPECT_EQ(again->skipped, 4u);
+
+      for (ReadFormat format : {ReadFormat::kFp16, ReadFormat::kRaw}) {
+        auto ucx = client_->Get(ns, Keys(0, 6), format);
+        auto inline_read = grpc_client_->Get(ns, Keys(0, 6), format);
+        ASSERT_TRUE(ucx.ok()) << ucx.status();
+        ASSERT_TRUE(inline_read.ok()) << inline_read.status();
+        ASSERT_EQ(ucx->blocks.size(), 6u);
+        for (int i = 0; i < 6; ++i) {
+          EXPECT_EQ(ucx->blocks[i].key, Key(i));
+          EXPECT_EQ(ucx->blocks[i].codec, codec);
+          EXPECT_EQ(ucx->blocks[i].bytes, inline_read->blocks[i].bytes)
+              << ns << " block " << i << " differs between UCX and gRPC";
+          std::vector<uint16_t> fp16(data_[i].size());
+          if (format == ReadFormat::kRaw) {
+            ASSERT_TRUE(
+                DecodeRaw(*ucx, ucx->blocks[i], absl::MakeSpan(fp16)).ok());
+          } else {
+            ASSERT_EQ(ucx->blocks[i].bytes.size(), fp16.size() * 2);
+            std::memcpy(fp16.data(), ucx->blocks[i].bytes.data(),
+                        fp16.size() * 2);
+          }
+          if (codec == Codec::kNone) {
+            EXPECT_EQ(fp16, data_[i]) << ns << " block " << i;
+          }
+        }
+      }
+    }
+  }
+  // The bytes went over UCX, not gRPC, and nothing is left behind.
+  std::string metrics = node_->metrics()->Render();
+  EXPECT_EQ(metrics.find("kvcache_transfer_bytes_total{direction=\"in\","
+                         "transport=\"ucx\"} 0\n"),
+            std::string::npos);
+  EXPECT_EQ(metrics.find("kvcache_transfer_bytes_total{direction=\"out\","
+                         "transport=\"ucx\"} 0\n"),
+            std::string::npos);
+  EXPECT_NE(metrics.find("kvcache_transfer_bytes_total{direction=\"in\","
+                         "transport=\"grpc\"} 0\n"),
+            std::string::npos)
+      << "no put may have travelled inline";
+  EXPECT_NE(metrics.find("kvcache_data_plane_staging_capacity_bytes"),
+            std::string::npos);
+  ExpectNothingHeld(absl::Seconds(5));
+  // The exposition, data-plane series included, is promtool-clean.
+  if (std::system("command -v promtool >/dev/null 2>&1") == 0) {
+    std::string path = ::testing::TempDir() + "/ucx_metrics.txt";
+    {
+      std::ofstream out(path);
+      out << node_->metrics()->Render();
+    }
+    std::string check = "promtool check metrics < " + path + " 2>&1";
+    FILE* pipe = popen(check.c_str(), "r");
+    ASSERT_NE(pipe, nullptr);
+    std::string findings;
+    char line[512];
+    while (std::fgets(line, sizeof(line), pipe) != nullptr) findings += line;
+    EXPECT_EQ(pclose(pipe), 0) << findings;
+    EXPECT_EQ(findings, "");
+    std::remove(path.c_str());
+  }
+}
+
+TEST_P(UcxTest, GetIntoDeliversLayerByLayerIntoCallerMemory) {
+  const kernels::BlockShape shape = LargeShape();
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("layers", Codec::kFp8E4M3, shape)).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "layers", shape, 0, 3).ok());
+  auto reference = grpc_client_->Get("layers", Keys(0, 3), ReadFormat::kRaw);
+  ASSERT_TRUE(reference.ok());
+  const size_t stride = kernels::Fp16BlockBytes(shape);
+  std::vector<uint8_t> buffer(3 * stride, 0xEE);
+  for (ReadFormat format : {ReadFormat::kRaw, ReadFormat::kFp16}) {
+    auto read = client_->GetInto("layers", Keys(0, 3), format,
+                                 absl::MakeSpan(buffer), stride);
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_TRUE((*read)->over_data_plane());
+    ASSERT_EQ((*read)->num_layers(), shape.num_layers);
+    const auto& placements = (*read)->placements();
+    ASSERT_EQ(placements.size(), 3u);
+    // Layer 0 first: its bytes are in place once WaitLayer(0) returns.
+    ASSERT_TRUE((*read)->WaitLayer(0).ok());
+    for (int b = 0; b < 3; ++b) {
+      ASSERT_EQ(placements[b].layer_ends.size(), shape.num_layers);
+      if (format == ReadFormat::kRaw) {
+        EXPECT_EQ(std::memcmp(buffer.data() + placements[b].offset,
+                              reference->blocks[b].bytes.data(),
+                              placements[b].layer_ends[0]),
+                  0);
+      }
+    }
+    ASSERT_TRUE((*read)->Wait().ok());
+    auto full = grpc_client_->Get("layers", Keys(0, 3), format);
+    ASSERT_TRUE(full.ok());
+    for (int b = 0; b < 3; ++b) {
+      ASSERT_EQ(placements[b].length, full->blocks[b].bytes.size());
+      EXPECT_EQ(std::memcmp(buffer.data() + placements[b].offset,
+                            full->blocks[b].bytes.data(), placements[b].length),
+                0)
+          << "block " << b;
+    }
+  }
+  // A buffer too small for its slots is refused before anything moves.
+  EXPECT_EQ(client_
+                ->GetInto("layers", Keys(0, 3), ReadFormat::kFp16,
+                          absl::MakeSpan(buffer).subspan(0, stride), stride)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
+TEST_P(UcxTest, ConnectionsWithoutAValidTokenAreClosed) {
+  auto loop = ucx::WorkerLoop::Start({});
+  ASSERT_TRUE(loop.ok()) << loop.status();
+  const std::string listener = absl::StrCat("127.0.0.1:", node_->ucx_port());
+  const std::string worker_address = node_->data_plane()->worker_address();
+  const bool tcp = std::string(GetParam().name) == "tcp";
+  auto run = [&](std::function<void()> fn) {
+    std::promise<void> done;
+    ASSERT_TRUE((*loop)->Post([&] {
+      fn();
+      done.set_value();
+    }));
+    done.get_future().wait();
+  };
+  auto wait_rejected = [&](uint64_t want) {
+    absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (node_->data_plane()->Stats().rejected_connections < want &&
+           absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return node_->data_plane()->Stats().rejected_connections;
+  };
+  auto on_error = [](void*, ucp_ep_h, ucs_status_t) noexcept {};
+  std::unique_ptr<ucx::Endpoint> ep;
+  auto send_forged_block = [&] {
+    ucx::WriteBlockHeader h;
+    h.write_id = 1;
+    h.token = *ucx::NewToken();
+    h.index = 0;
+    h.length = 16;
+    static const char kPayload[16] = {};
+    ucx::Operation::Start(
+        ucx::Operation::Kind::kSend,
+        [raw = ep->get()](const ucp_request_param_t& param,
+                          absl::string_view kept) {
+          ucp_request_param_t p = param;
+          p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+          p.flags = UCP_AM_SEND_FLAG_REPLY;
+          return ucp_am_send_nbx(raw, ucx::kAmWriteBlock, kept.data(),
+                                 kept.size(), kPayload, sizeof(kPayload), &p);
+        },
+        [](absl::Status) {}, ucx::Encode(h));
+  };
+  uint64_t rejected = 0;
+  // A forged token in the first message, to the worker address (any
+  // transport) and to the listener (tcp: UCX 1.13 cannot run a listener
+  // connection over shared memory alone): closed at once.
+  run([&] {
+    bool peer_errors = false;
+    auto e = ucx::Endpoint::ConnectToWorker((*loop)->worker(), worker_address,
+                                            on_error, nullptr, &peer_errors);
+    ASSERT_TRUE(e.ok()) << e.status();
+    ep = *std::move(e);
+    send_forged_block();
+  });
+  EXPECT_EQ(wait_rejected(++rejected), rejected);
+  if (tcp) {
+    run([&] {
+      ep.reset();
+      auto e = ucx::Endpoint::Connect((*loop)->worker(), listener, on_error,
+                                      nullptr);
+      ASSERT_TRUE(e.ok()) << e.status();
+      ep = *std::move(e);
+      send_forged_block();
+    });
+    EXPECT_EQ(wait_rejected(++rejected), rejected);
+    // No message at all: closed after the handshake timeout.
+    run([&] {
+      ep.reset();
+      auto e = ucx::Endpoint::Connect((*loop)->worker(), listener, on_error,
+                                      nullptr);
+      ASSERT_TRUE(e.ok());
+      ep = *std::move(e);
+    });
+    EXPECT_EQ(wait_rejected(++rejected), rejected);
+  }
+  run([&] { ep.reset(); });
+  (*loop)->Stop(nullptr);
+  // Legitimate clients are unaffected.
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("ok", Codec::kNone, SmallShape())).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "ok", SmallShape(), 0, 2).ok());
+  auto got = client_->Get("ok", Keys(0, 2));
+  ASSERT_TRUE(got.ok()) << got.status();
+}
+
+TEST_P(UcxTest, FullStagingIsResourceExhaustedWithARetryHint) {
+  StartNode(256ull << 20, 4 * kernels::Fp16BlockBytes(SmallShape()),
+            absl::Seconds(30));
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("ns", Codec::kNone, SmallShape())).ok());
+  absl::Status full =
+      PutChain(client_.get(), "ns", SmallShape(), 0, 8).status();
+  ASSERT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  ASSERT_TRUE(RetryAfterMs(full).has_value());
+  EXPECT_GT(*RetryAfterMs(full), 0);
+  ExpectNothingHeld(absl::Seconds(5));  // the store write was released too
+  // What fits, goes; reads beyond the bound are refused the same way.
+  ASSERT_TRUE(PutChain(client_.get(), "ns", SmallShape(), 0, 4).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "ns", SmallShape(), 4, 4).ok());
+  absl::Status read_full = client_->Get("ns", Keys(0, 8)).status();
+  EXPECT_EQ(read_full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(RetryAfterMs(read_full).has_value());
+  EXPECT_TRUE(client_->Get("ns", Keys(0, 4)).ok());
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
+TEST_P(UcxTest, AutoFallsBackToGrpcAndUcxOnlyRefusesANodeWithoutDataPlane) {
+  client_.reset();
+  grpc_client_.reset();
+  node_.reset();
+  service::NodeOptions options;
+  options.listen = "127.0.0.1:0";
+  options.metrics_listen = "";
+  options.memory = {store::MemoryKind::kHost, 0, 64ull << 20};
+  options.store.page_size = 16384;
+  options.worker_threads = 2;
+  node_ = std::make_unique<service::Node>(options);
+  ASSERT_TRUE(node_->Start().ok());
+  std::unique_ptr<Client> auto_client = NewClient(DataPlane::kAuto);
+  std::unique_ptr<Client> ucx_client = NewClient(DataPlane::kUcx);
+  ASSERT_TRUE(
+      auto_client->RegisterNamespace(Spec("ns", Codec::kNone, SmallShape()))
+          .ok());
+  ASSERT_TRUE(PutChain(auto_client.get(), "ns", SmallShape(), 0, 2).ok());
+  auto got = auto_client->Get("ns", Keys(0, 2));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(std::memcmp(got->blocks[1].bytes.data(), data_[1].data(),
+                        data_[1].size() * 2),
+            0);
+  EXPECT_EQ(
+      PutChain(ucx_client.get(), "ns", SmallShape(), 2, 1).status().code(),
+      absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ucx_client->Get("ns", Keys(0, 2)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(UcxFlagsTest, ParsesAndChecksTheDataPlaneFlags) {
+  auto f = service::ParseNodeFlags(
+      {"--data-plane=ucx", "--ucx-listen=127.0.0.1:0",
+       "--ucx-advertise=node-0.kvcache", "--staging-bytes=64MiB"});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->options.data_plane, service::DataPlaneMode::kUcx);
+  EXPECT_EQ(f->options.ucx.listen, "127.0.0.1:0");
+  EXPECT_EQ(f->options.ucx.advertise_host, "node-0.kvcache");
+  EXPECT_EQ(f->options.ucx.staging_bytes, 64ull << 20);
+  EXPECT_EQ(service::ParseNodeFlags({})->options.data_plane,
+            service::DataPlaneMode::kNone);
+  for (const char* bad : {"--data-plane=rdma", "--ucx-listen=nohostport",
+                          "--staging-bytes=0", "--staging-bytes=lots"}) {
+    EXPECT_EQ(service::ParseNodeFlags({bad}).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  EXPECT_NE(service::NodeUsage().find("--data-plane"), std::string::npos);
+}
+
+// --- a client process killed mid-transfer ---------------------------------
+
+constexpr char kChildFlag[] = "--ucx-child";
+
+// Runs this binary as a client that puts (or gets) large blocks in a loop
+// until it is killed.
+pid_t SpawnChild(const std::string& mode, const std::string& target) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    std::string self = "/proc/self/exe";
+    execl(self.c_str(), self.c_str(), kChildFlag, mode.c_str(), target.c_str(),
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  return pid;
+}
+
+TEST_P(UcxTest, ClientKilledMidTransferLeavesNothingAfterTheTtl) {
+  const absl::Duration ttl = absl::Seconds(2);
+  StartNode(512ull << 20, 256ull << 20, ttl);
+  const kernels::BlockShape shape = LargeShape();
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("victim", Codec::kFp8E4M3, shape)).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "victim", shape, 0, 32).ok());
+  for (const std::string mode : {"put", "get"}) {
+    pid_t child = SpawnChild(mode, Target());
+    ASSERT_GT(child, 0);
+    // Kill it while the node holds a session for it (bytes staged or
+    // reserved, a lease open).
+    absl::Time deadline = absl::Now() + absl::Seconds(30);
+    bool caught = false;
+    while (absl::Now() < deadline && !caught) {
+      ucx::DataPlaneStats s = node_->data_plane()->Stats();
+      caught = s.staging_used_bytes > 0 &&
+               (mode == "put" ? s.write_sessions : s.read_sessions) > 0;
+      if (!caught) absl::SleepFor(absl::Microseconds(200));
+    }
+    kill(child, SIGKILL);
+    int wstatus = 0;
+    waitpid(child, &wstatus, 0);
+    ASSERT_TRUE(caught) << mode << ": the child never had a transfer open";
+    EXPECT_TRUE(WIFSIGNALED(wstatus)) << mode;
+    // Everything the dead client held is reclaimed by the TTL (plus the
+    // reaper's period and slack).
+    ExpectNothingHeld(ttl + absl::Seconds(3));
+  }
+  // And the node still serves.
+  auto got = client_->Get("victim", Keys(0, 4), ReadFormat::kRaw);
+  ASSERT_TRUE(got.ok()) << got.status();
+}
+
+// A node process killed while a client streams to and from it: every call
+// in flight ends, UNAVAILABLE (or DEADLINE_EXCEEDED where the transport
+// cannot notice a dead peer), within its deadline.
+TEST_P(UcxTest, NodeKilledMidTransferFailsCallsWithinTheirDeadline) {
+  client_.reset();
+  grpc_client_.reset();
+  node_.reset();
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  pid_t node = fork();
+  if (node == 0) {
+    dup2(fds[1], 1);
+    close(fds[0]);
+    execl("/proc/self/exe", "/proc/self/exe", kChildFlag, "node", "-",
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  ASSERT_GT(node, 0);
+  close(fds[1]);
+  char buf[32] = {};
+  ssize_t n = read(fds[0], buf, sizeof(buf) - 1);
+  close(fds[0]);
+  ASSERT_GT(n, 0);
+  const std::string target = absl::StrCat("127.0.0.1:", std::atoi(buf));
+  ClientOptions copts;
+  copts.target = target;
+  copts.timeout = absl::Seconds(5);
+  copts.data_plane = DataPlane::kUcx;
+  copts.max_message_bytes = 64 << 20;
+  auto client = Client::Connect(copts);
+  ASSERT_TRUE(client.ok());
+  const kernels::BlockShape shape = LargeShape();
+  ASSERT_TRUE(
+      (*client)->RegisterNamespace(Spec("far", Codec::kNone, shape)).ok());
+  ASSERT_TRUE(PutChain(client->get(), "far", shape, 0, 8).ok());
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok_calls{0};
+  absl::Status last;
+  absl::Duration longest_failure;
+  std::thread traffic([&] {
+    for (int round = 0; !stop.load(); ++round) {
+      absl::Time start = absl::Now();
+      absl::Status st =
+          round % 2 == 0
+              ? PutChain(client->get(), "far", shape, 100 + round * 8, 8)
+                    .status()
+              : (*client)->Get("far", Keys(0, 8)).status();
+      if (st.ok()) {
+        ++ok_calls;
+        continue;
+      }
+      if (ok_calls.load() < 4) ADD_FAILURE() << "before the kill: " << st;
+      last = st;
+      longest_failure = std::max(longest_failure, absl::Now() - start);
+      if (st.code() == absl::StatusCode::kUnavailable ||
+          st.code() == absl::StatusCode::kDeadlineExceeded) {
+        return;
+      }
+    }
+  });
+  absl::Time wait_until = absl::Now() + absl::Seconds(30);
+  while (ok_calls.load() < 4 && absl::Now() < wait_until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  kill(node, SIGKILL);
+  waitpid(node, nullptr, 0);
+  absl::Time killed = absl::Now();
+  traffic.join();  // returns at the first failed call
+  stop.store(true);
+  EXPECT_GE(ok_calls.load(), 4);
+  EXPECT_TRUE(last.code() == absl::StatusCode::kUnavailable ||
+              last.code() == absl::StatusCode::kDeadlineExceeded)
+      << last;
+  EXPECT_LE(absl::Now() - killed, copts.timeout + absl::Seconds(3));
+  EXPECT_LE(longest_failure, copts.timeout + absl::Seconds(3));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, UcxTest,
+                         ::testing::Values(Transport{"tcp", "tcp"},
+                                           Transport{"shm", "posix,sysv,self"}),
+                         [](const ::testing::TestParamInfo<Transport>& info) {
+                           return std::string(info.param.name);
+                         });
+
+// Child mode "node": a node with the UCX data plane on loopback; prints its
+// gRPC port on stdout and serves until killed.
+int NodeChildMain() {
+  service::NodeOptions options;
+  options.listen = "127.0.0.1:0";
+  options.metrics_listen = "";
+  options.memory = {store::MemoryKind::kHost, 0, 256ull << 20};
+  options.store.page_size = 16384;
+  options.max_request_bytes = 64 << 20;
+  options.worker_threads = 2;
+  options.data_plane = service::DataPlaneMode::kUcx;
+  options.ucx.listen = "127.0.0.1:0";
+  signal(SIGPIPE, SIG_IGN);
+  service::Node node(options);
+  if (!node.Start().ok()) return 2;
+  std::printf("%d\n", node.port());
+  std::fflush(stdout);
+  // The parent stops reading after the port; UCX logs to stdout.
+  if (std::freopen("/dev/null", "w", stdout) == nullptr) return 2;
+  for (;;) absl::SleepFor(absl::Seconds(60));
+}
+
+int ChildMain(const std::string& mode, const std::string& target) {
+  if (mode == "node") return NodeChildMain();
+  ClientOptions copts;
+  copts.target = target;
+  copts.timeout = absl::Seconds(30);
+  copts.max_message_bytes = 64 << 20;
+  copts.data_plane = DataPlane::kUcx;
+  auto client = Client::Connect(copts);
+  if (!client.ok()) return 2;
+  const kernels::BlockShape shape = LargeShape();
+  std::vector<std::vector<uint16_t>> blocks;
+  for (int i = 0; i < 16; ++i) blocks.push_back(RandomBlock(shape, 1000 + i));
+  for (uint64_t round = 0;; ++round) {
+    if (mode == "put") {
+      std::vector<BlockWrite> writes;
+      for (int i = 0; i < 16; ++i) {
+        writes.push_back(
+            {absl::StrCat("child-", round, "-", i), "", blocks[i]});
+      }
+      (*client)->Put("victim", writes).IgnoreError();
+    } else {
+      std::vector<std::string> keys;
+      for (int i = 0; i < 32; ++i) keys.push_back(Key(i));
+      (*client)->Get("victim", keys, ReadFormat::kFp16).IgnoreError();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvcache
+
+int main(int argc, char** argv) {
+  if (argc == 4 && std::strcmp(argv[1], kvcache::kChildFlag) == 0) {
+    return kvcache::ChildMain(argv[2], argv[3]);
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
