@@ -161,8 +161,13 @@ struct Store::WriteLease {
   std::vector<BlockRef> blocks;
   std::vector<bool> present;
   std::vector<PageList> pages;  // per block; count 0 if present
+  // Per block: written into its pages by StageBlock (one byte each, so that
+  // concurrent StageBlock calls on different blocks touch different bytes;
+  // written under lease_mu_).
+  std::vector<uint8_t> staged;
   absl::Time deadline;
   bool committing = false;
+  int staging = 0;  // StageBlock calls running; the pages are in use
 };
 
 namespace {
@@ -569,18 +574,24 @@ void Store::ReleaseReadLease(uint64_t id) {
   UnpinAll(lease->entries);
 }
 
-void Store::ReleaseWriteLease(uint64_t id) {
+bool Store::ReleaseWriteLease(uint64_t id, bool if_idle) {
   std::unique_ptr<WriteLease> lease;
   {
     MutexLock lock(&lease_mu_);
-    auto node = write_leases_.extract(id);
-    if (node.empty()) return;
-    lease = std::move(node.mapped());
+    auto it = write_leases_.find(id);
+    if (it == write_leases_.end()) return false;
+    // Expiry leaves a lease alone while a commit or a StageBlock uses it.
+    if (if_idle && (it->second->committing || it->second->staging > 0)) {
+      return false;
+    }
+    lease = std::move(it->second);
+    write_leases_.erase(it);
   }
   for (const PageList& pages : lease->pages) {
     ReleasePages(pages);
     reserved_pages_ -= pages.count;
   }
+  return true;
 }
 
 int Store::ExpireLeases(absl::Time now) {
@@ -591,12 +602,12 @@ int Store::ExpireLeases(absl::Time now) {
       if (lease->deadline < now) reads.push_back(id);
     }
     for (const auto& [id, lease] : write_leases_) {
-      if (lease->deadline < now && !lease->committing) writes.push_back(id);
+      if (lease->deadline < now) writes.push_back(id);
     }
   }
   for (uint64_t id : reads) ReleaseReadLease(id);
-  for (uint64_t id : writes) ReleaseWriteLease(id);
-  int expired = static_cast<int>(reads.size() + writes.size());
+  int expired = static_cast<int>(reads.size());
+  for (uint64_t id : writes) expired += ReleaseWriteLease(id, /*if_idle=*/true);
   expired_leases_ += expired;
   return expired;
 }
@@ -685,6 +696,7 @@ absl::StatusOr<BeginWriteResult> Store::BeginWrite(const std::string& ns_name,
   lease->ns_id = ns->id;
   lease->present.resize(blocks.size());
   lease->pages.resize(blocks.size());
+  lease->staged.resize(blocks.size(), 0);
   uint32_t missing = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
     KeyRef ref = MakeKeyRef(ns->id, blocks[i].key);
@@ -751,6 +763,10 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
       return absl::FailedPreconditionError(
           "this write lease is being committed by another call");
     }
+    if (it->second->staging > 0) {
+      return absl::FailedPreconditionError(
+          "blocks of this write are still being staged");
+    }
     lease = it->second.get();
     lease->committing = true;  // the reaper leaves it alone from now on
   }
@@ -770,6 +786,10 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
                        lease->blocks.size(), " blocks")));
     }
     if (lease->present[p.index]) continue;  // stored already: not needed
+    if (lease->staged[p.index]) {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("block ", p.index, " was staged already")));
+    }
     if (by_block[p.index] != nullptr) {
       return fail(absl::InvalidArgumentError(
           absl::StrCat("two payloads for block ", p.index)));
@@ -783,49 +803,25 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
     by_block[p.index] = &p;
   }
   for (size_t i = 0; i < by_block.size(); ++i) {
-    if (!lease->present[i] && by_block[i] == nullptr) {
+    if (!lease->present[i] && !lease->staged[i] && by_block[i] == nullptr) {
       return fail(
           absl::InvalidArgumentError(absl::StrCat("no payload for block ", i)));
     }
   }
 
   const bool residual = ns->window_blocks > 0;
-  const kernels::BlockShape& shape = info.config.shape;
-  const kernels::CodecPolicy& policy =
-      residual ? ns->residual_policy : info.config.policy;
-  std::vector<uint8_t> stored(residual ? info.fp16_block_bytes
-                                       : info.encoded_block_bytes);
-  std::vector<uint16_t> aligned;
+  std::vector<uint8_t> stored;
   for (size_t i = 0; i < by_block.size(); ++i) {
     if (by_block[i] == nullptr) continue;
-    absl::Span<const uint8_t> bytes = by_block[i]->fp16;
-    absl::Span<const uint16_t> halves;
-    if (reinterpret_cast<uintptr_t>(bytes.data()) % alignof(uint16_t) == 0) {
-      halves = absl::MakeConstSpan(
-          reinterpret_cast<const uint16_t*>(bytes.data()), bytes.size() / 2);
-    } else {
-      aligned.resize(bytes.size() / 2);
-      std::memcpy(aligned.data(), bytes.data(), bytes.size());
-      halves = aligned;
-    }
-    absl::Time start = absl::Now();
-    absl::Status encoded =
-        kernels::EncodeBlock(shape, policy, halves, absl::MakeSpan(stored));
-    if (!encoded.ok()) {
+    absl::Status written = EncodeToPages(
+        *ns, lease->blocks[i].key, by_block[i]->fp16, lease->pages[i], &stored);
+    if (!written.ok()) {
       return fail(absl::Status(
-          encoded.code(), absl::StrCat("block ", i, ": ", encoded.message())));
+          written.code(), absl::StrCat("block ", i, ": ", written.message())));
     }
-    if (quantize_observer_) {
-      quantize_observer_(policy.codec,
-                         absl::ToDoubleSeconds(absl::Now() - start));
-    }
-    BlockHeader header = MakeBlockHeader(shape, policy, info.fingerprint,
-                                         lease->blocks[i].key, stored);
-    // The pages and their header slot are owned by this lease.
-    absl::Status written = WriteHeader(lease->pages[i].first, header);
-    if (written.ok()) written = pool_.Scatter(lease->pages[i], stored);
-    if (!written.ok()) return fail(written);
   }
+  const uint64_t block_payload_bytes =
+      residual ? info.fp16_block_bytes : info.encoded_block_bytes;
 
   CommitResult result;
   for (size_t i = 0; i < lease->blocks.size(); ++i) {
@@ -870,7 +866,7 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
         AccountAdd(*entry, +1);
         UpdateEvictable(shard, entry);
         inserted = entry;
-        result.stored_bytes += stored.size();
+        result.stored_bytes += block_payload_bytes;
       }
     }
     if (inserted == nullptr) {
@@ -885,6 +881,91 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
   return result;
 }
 
+absl::Status Store::EncodeToPages(const Namespace& ns, absl::string_view key,
+                                  absl::Span<const uint8_t> fp16,
+                                  const PageList& pages,
+                                  std::vector<uint8_t>* scratch) {
+  const bool residual = ns.window_blocks > 0;
+  const NamespaceInfo& info = ns.info;
+  const kernels::BlockShape& shape = info.config.shape;
+  const kernels::CodecPolicy& policy =
+      residual ? ns.residual_policy : info.config.policy;
+  scratch->resize(residual ? info.fp16_block_bytes : info.encoded_block_bytes);
+  std::vector<uint16_t> aligned;
+  absl::Span<const uint16_t> halves;
+  if (reinterpret_cast<uintptr_t>(fp16.data()) % alignof(uint16_t) == 0) {
+    halves = absl::MakeConstSpan(reinterpret_cast<const uint16_t*>(fp16.data()),
+                                 fp16.size() / 2);
+  } else {
+    aligned.resize(fp16.size() / 2);
+    std::memcpy(aligned.data(), fp16.data(), fp16.size());
+    halves = aligned;
+  }
+  absl::Time start = absl::Now();
+  absl::Status status =
+      kernels::EncodeBlock(shape, policy, halves, absl::MakeSpan(*scratch));
+  if (!status.ok()) return status;
+  if (quantize_observer_) {
+    quantize_observer_(policy.codec,
+                       absl::ToDoubleSeconds(absl::Now() - start));
+  }
+  BlockHeader header =
+      MakeBlockHeader(shape, policy, info.fingerprint, key, *scratch);
+  status = WriteHeader(pages.first, header);
+  if (status.ok()) status = pool_.Scatter(pages, *scratch);
+  return status;
+}
+
+absl::Status Store::StageBlock(uint64_t write_id, uint32_t index,
+                               absl::Span<const uint8_t> fp16) {
+  WriteLease* lease;
+  {
+    MutexLock lock(&lease_mu_);
+    auto it = write_leases_.find(write_id);
+    if (it == write_leases_.end()) {
+      return absl::FailedPreconditionError(
+          "write lease is unknown or has expired; begin the write again");
+    }
+    lease = it->second.get();
+    if (lease->committing) {
+      return absl::FailedPreconditionError("write lease is being committed");
+    }
+    if (index >= lease->blocks.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block index ", index, " is outside the write's ",
+                       lease->blocks.size(), " blocks"));
+    }
+    if (lease->present[index] || lease->staged[index]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "block ", index, " is stored already or was staged before"));
+    }
+    lease->staged[index] = 1;  // claimed: a second call for it is refused
+    ++lease->staging;
+  }
+  // The lease cannot expire, commit or abort while `staging` > 0, and block
+  // `index`'s pages are this call's alone.
+  Namespace* ns = NamespaceById(lease->ns_id);
+  absl::Status status;
+  if (fp16.size() != ns->info.fp16_block_bytes) {
+    status = absl::InvalidArgumentError(
+        absl::StrCat("block ", index, " has ", fp16.size(),
+                     " bytes; this layout's fp16 block is ",
+                     ns->info.fp16_block_bytes, " bytes"));
+  } else {
+    std::vector<uint8_t> scratch;
+    status = EncodeToPages(*ns, lease->blocks[index].key, fp16,
+                           lease->pages[index], &scratch);
+    if (!status.ok()) {
+      status = absl::Status(
+          status.code(), absl::StrCat("block ", index, ": ", status.message()));
+    }
+  }
+  MutexLock lock(&lease_mu_);
+  if (!status.ok()) lease->staged[index] = 0;
+  --lease->staging;
+  return status;
+}
+
 absl::Status Store::AbortWrite(uint64_t write_id) {
   {
     MutexLock lock(&lease_mu_);
@@ -894,6 +975,10 @@ absl::Status Store::AbortWrite(uint64_t write_id) {
     }
     if (it->second->committing) {
       return absl::FailedPreconditionError("write lease is being committed");
+    }
+    if (it->second->staging > 0) {
+      return absl::FailedPreconditionError(
+          "blocks of this write are being staged; abort after they finish");
     }
   }
   ReleaseWriteLease(write_id);

@@ -231,6 +231,18 @@ class Store {
                                            absl::Span<const Payload> payloads);
   absl::Status AbortWrite(uint64_t write_id);
 
+  // Encodes block `index` of an open write into its reserved pages now, so
+  // that a data plane can encode block i while block i+1 is in flight and
+  // encode several blocks at once on different threads. The block stays
+  // invisible until CommitWrite, which then needs no payload for it (and
+  // refuses one). Calls for different blocks of one write may run
+  // concurrently; while any runs, the lease cannot expire and CommitWrite
+  // and AbortWrite answer FAILED_PRECONDITION. INVALID_ARGUMENT: index out of
+  // range, block present or staged already, wrong size, non-finite values
+  // (then the block is not staged and may be sent again).
+  absl::Status StageBlock(uint64_t write_id, uint32_t index,
+                          absl::Span<const uint8_t> fp16);
+
   // Pins the blocks of `keys` (all must be stored: NOT_FOUND names the first
   // missing one), verifies and copies them out. With keep_lease == false the
   // pins are released before returning and lease_id is 0.
@@ -310,7 +322,15 @@ class Store {
   bool ReservePages(uint32_t count, PageList* pages);
   void ReleasePages(const PageList& pages);
   void ReleaseReadLease(uint64_t id);
-  void ReleaseWriteLease(uint64_t id);
+  // Returns true when it released the lease. With if_idle, a lease that a
+  // commit or a StageBlock is using is left alone.
+  bool ReleaseWriteLease(uint64_t id, bool if_idle = false);
+  // Encodes one fp16 block as its namespace stores new blocks and writes
+  // header and payload into `pages`, which the caller owns.
+  absl::Status EncodeToPages(const Namespace& ns, absl::string_view key,
+                             absl::Span<const uint8_t> fp16,
+                             const PageList& pages,
+                             std::vector<uint8_t>* scratch);
   uint64_t NewLeaseId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_mu_);
   absl::Time LeaseDeadline(absl::Duration ttl) const;
   void AccountAdd(const Entry& entry, int sign);

@@ -363,6 +363,102 @@ TEST(StoreTest, EvictionOrderMatchesAReferenceModelOnRandomChains) {
   }
 }
 
+std::vector<uint8_t> ReferenceEncoding(Codec codec, int seed) {
+  kernels::CodecPolicy policy;
+  policy.codec = codec;
+  std::vector<uint8_t> out(kernels::EncodedBlockBytes(SmallShape(), policy));
+  std::vector<uint16_t> in = RandomBlock(SmallShape(), seed);
+  EXPECT_TRUE(kernels::EncodeBlockReference(SmallShape(), policy, in,
+                                            absl::MakeSpan(out))
+                  .ok());
+  return out;
+}
+
+TEST(StoreTest, StagedBlocksEncodeBeforeCommitAndStayInvisibleUntilIt) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kFp8E4M3)).ok());
+  std::vector<BlockRef> refs;
+  std::vector<std::vector<uint16_t>> data;
+  for (int i = 0; i < 6; ++i) {
+    refs.push_back({Key(i), ""});
+    data.push_back(RandomBlock(SmallShape(), i));
+  }
+  auto bytes = [&](int i) {
+    return absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(data[i].data()),
+                               data[i].size() * 2);
+  };
+  auto begin = store->BeginWrite("ns", refs, absl::Seconds(10));
+  ASSERT_TRUE(begin.ok());
+  // Blocks 0..4 are staged from two threads at once; block 5 travels with
+  // the commit, as on the inline path.
+  std::thread even([&] {
+    for (int i = 0; i < 5; i += 2) {
+      EXPECT_TRUE(store->StageBlock(begin->write_id, i, bytes(i)).ok());
+    }
+  });
+  for (int i = 1; i < 5; i += 2) {
+    EXPECT_TRUE(store->StageBlock(begin->write_id, i, bytes(i)).ok());
+  }
+  even.join();
+  EXPECT_EQ(store->Lookup("ns", Keys(0, 6), false, absl::ZeroDuration())
+                ->prefix_blocks,
+            0u)
+      << "staged blocks are invisible before the commit";
+  EXPECT_EQ(store->StageBlock(begin->write_id, 1, bytes(1)).code(),
+            absl::StatusCode::kInvalidArgument)
+      << "a block is staged once";
+  EXPECT_EQ(store->StageBlock(begin->write_id, 9, bytes(1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<uint16_t> bad = data[5];
+  bad[7] = 0x7E00;  // NaN: refused, and the block can be sent again
+  EXPECT_EQ(store
+                ->StageBlock(begin->write_id, 5,
+                             absl::MakeConstSpan(
+                                 reinterpret_cast<const uint8_t*>(bad.data()),
+                                 bad.size() * 2))
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  auto commit = store->CommitWrite(begin->write_id, {{5, bytes(5)}});
+  ASSERT_TRUE(commit.ok()) << commit.status();
+  EXPECT_EQ(commit->stored, 6u);
+  auto raw = store->BeginRead("ns", Keys(0, 6), ReadFormat::kRaw,
+                              absl::ZeroDuration(), 0, false);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  for (int i = 0; i < 6; ++i) {
+    std::vector<uint8_t> want = ReferenceEncoding(Codec::kFp8E4M3, i);
+    ASSERT_EQ(raw->blocks[i].data.size(), want.size());
+    EXPECT_EQ(std::memcmp(raw->blocks[i].data.data(), want.data(), want.size()),
+              0)
+        << "block " << i;
+  }
+  EXPECT_EQ(store->Stats().reserved_bytes, 0u);
+}
+
+TEST(StoreTest, APayloadForAStagedBlockIsRefusedAndNothingIsStored) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  std::vector<uint16_t> d = RandomBlock(SmallShape(), 1);
+  auto bytes = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(d.data()),
+                                   d.size() * 2);
+  auto begin = store->BeginWrite("ns", {{Key(1), ""}}, absl::Seconds(10));
+  ASSERT_TRUE(begin.ok());
+  ASSERT_TRUE(store->StageBlock(begin->write_id, 0, bytes).ok());
+  EXPECT_EQ(store->CommitWrite(begin->write_id, {{0, bytes}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      store->Lookup("ns", {Key(1)}, false, absl::ZeroDuration())->prefix_blocks,
+      0u);
+  StoreStats s = store->Stats();
+  EXPECT_EQ(s.reserved_bytes, 0u);
+  EXPECT_EQ(s.used_bytes, 0u);
+  // A staged write that is never committed expires like any other.
+  auto again = store->BeginWrite("ns", {{Key(2), ""}}, absl::Milliseconds(1));
+  ASSERT_TRUE(again.ok());
+  ASSERT_TRUE(store->StageBlock(again->write_id, 0, bytes).ok());
+  EXPECT_EQ(store->ExpireLeases(absl::Now() + absl::Seconds(1)), 1);
+  EXPECT_EQ(store->Stats().reserved_bytes, 0u);
+}
+
 TEST(StoreTest, PinnedBlocksAreNotEvictedAndFullPoolIsResourceExhausted) {
   auto store = MakeStore(2 * 4 * kPage + 4096 + kPage);
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
@@ -562,17 +658,6 @@ TEST(StoreTest, ConcurrentStressNeverReturnsWrongBytes) {
   EXPECT_EQ(s.pinned_bytes, 0u);
   EXPECT_EQ(s.reserved_bytes, 0u);
   EXPECT_EQ(s.used_bytes, s.codecs[0].blocks * 4 * kPage);
-}
-
-std::vector<uint8_t> ReferenceEncoding(Codec codec, int seed) {
-  kernels::CodecPolicy policy;
-  policy.codec = codec;
-  std::vector<uint8_t> out(kernels::EncodedBlockBytes(SmallShape(), policy));
-  std::vector<uint16_t> in = RandomBlock(SmallShape(), seed);
-  EXPECT_TRUE(kernels::EncodeBlockReference(SmallShape(), policy, in,
-                                            absl::MakeSpan(out))
-                  .ok());
-  return out;
 }
 
 TEST(StoreTest, KiviResidualWindowKeepsRecentBlocksFp16ThenReencodes) {

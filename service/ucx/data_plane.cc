@@ -77,7 +77,9 @@ struct DataPlane::Connection {
 };
 
 struct DataPlane::WriteSession {
-  enum class Slot { kPresent, kAwaiting, kReceiving, kLanded };
+  // kLanded: in staging; kStaged: encoded into the store's pages (its
+  // staging buffer is released).
+  enum class Slot { kPresent, kAwaiting, kReceiving, kLanded, kStaged };
   uint64_t id = 0;
   Token token{};
   absl::Time deadline;
@@ -86,6 +88,7 @@ struct DataPlane::WriteSession {
   std::vector<std::shared_ptr<StagingBuffer>> buffers;  // null where present
   uint32_t awaiting = 0;   // blocks neither present nor landed
   uint32_t in_flight = 0;  // rendezvous receives not completed
+  uint32_t encoding = 0;   // StageBlock calls not completed
   uint64_t conn_id = 0;    // the connection it is bound to (0: none yet)
   absl::Status error;      // the first bad block or failed receive
   CommitDone waiter;       // set by Commit()
@@ -353,6 +356,9 @@ std::function<void()> DataPlane::TakeForCommitLocked(uint64_t write_id) {
   if (it == writes_.end()) return nullptr;
   std::shared_ptr<WriteSession> session = it->second;
   if (!session->waiter) return nullptr;
+  // Staging encodes write into the lease's pages: the store refuses to
+  // commit or abort until they finish, and so does this.
+  if (session->encoding > 0) return nullptr;
   if (session->error.ok() &&
       (session->awaiting > 0 || session->in_flight > 0)) {
     return nullptr;  // not every block has landed yet
@@ -373,6 +379,10 @@ std::function<void()> DataPlane::TakeForCommitLocked(uint64_t write_id) {
       std::vector<store::Store::Payload> payloads;
       uint64_t bytes = 0;
       for (size_t i = 0; i < session->slots.size(); ++i) {
+        if (session->slots[i] == WriteSession::Slot::kStaged) {
+          bytes += session->block_bytes;  // encoded already, as it landed
+          continue;
+        }
         if (session->slots[i] != WriteSession::Slot::kLanded) continue;
         payloads.push_back({static_cast<uint32_t>(i),
                             absl::MakeConstSpan(session->buffers[i]->data(),
@@ -387,6 +397,33 @@ std::function<void()> DataPlane::TakeForCommitLocked(uint64_t write_id) {
       done(std::move(result));
     });
   };
+}
+
+std::function<void()> DataPlane::StageLocked(
+    std::shared_ptr<WriteSession> session, uint32_t index) {
+  ++session->encoding;
+  std::shared_ptr<StagingBuffer> buffer = session->buffers[index];
+  return
+      [this, session = std::move(session), buffer = std::move(buffer), index] {
+        executor_([this, session, buffer, index] {
+          absl::Status status = store_->StageBlock(
+              session->id, index,
+              absl::MakeConstSpan(buffer->data(), session->block_bytes));
+          std::function<void()> done_work;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            --session->encoding;
+            if (status.ok()) {
+              session->slots[index] = WriteSession::Slot::kStaged;
+              session->buffers[index].reset();  // staging returns early
+            } else if (session->error.ok()) {
+              session->error = status;
+            }
+            done_work = TakeForCommitLocked(session->id);
+          }
+          if (done_work) done_work();
+        });
+      };
 }
 
 void DataPlane::Abort(uint64_t write_id) {
@@ -434,7 +471,7 @@ void DataPlane::HandleWriteBlock(Connection* conn, absl::string_view header,
   enum class Verdict { kClose, kDrop, kDone, kReceive } verdict;
   std::shared_ptr<WriteSession> session;
   std::shared_ptr<StagingBuffer> buffer;
-  std::function<void()> work;
+  std::function<void()> work, stage;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = writes_.find(h->write_id);
@@ -474,11 +511,13 @@ void DataPlane::HandleWriteBlock(Connection* conn, absl::string_view header,
         std::memcpy(s.buffers[h->index]->data(), data, length);
         s.slots[h->index] = WriteSession::Slot::kLanded;
         --s.awaiting;
+        stage = StageLocked(it->second, h->index);
         verdict = Verdict::kDone;
       }
       if (verdict == Verdict::kDone) work = TakeForCommitLocked(s.id);
     }
   }
+  if (stage) stage();
   if (work) work();
   if (verdict == Verdict::kClose) {
     CloseConnection(conn_id, "write block without a valid token");
@@ -496,19 +535,21 @@ void DataPlane::HandleWriteBlock(Connection* conn, absl::string_view header,
       },
       [this, session, buffer, index](absl::Status status) {
         loop_->AddBusy(-1);
-        std::function<void()> done_work;
+        std::function<void()> done_work, stage;
         {
           std::lock_guard<std::mutex> lock(mu_);
           --session->in_flight;
           if (status.ok()) {
             session->slots[index] = WriteSession::Slot::kLanded;
             --session->awaiting;
+            stage = StageLocked(session, index);
           } else if (session->error.ok()) {
             session->error = absl::UnavailableError(absl::StrCat(
                 "block ", index, " did not arrive: ", status.message()));
           }
           done_work = TakeForCommitLocked(session->id);
         }
+        if (stage) stage();
         if (done_work) done_work();
       });
 }

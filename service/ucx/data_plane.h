@@ -205,6 +205,12 @@ class DataPlane {
   // store commit (all landed), or abort + error. Called with mu_ held;
   // returns work to run after unlocking.
   std::function<void()> TakeForCommitLocked(uint64_t write_id);
+  // Block `index` of `session` has landed: returns the work that encodes it
+  // into the store's reserved pages on the worker pool (Store::StageBlock),
+  // so that encoding overlaps the transfer of the blocks after it. Requires
+  // mu_; run the returned work after releasing it.
+  std::function<void()> StageLocked(std::shared_ptr<WriteSession> session,
+                                    uint32_t index);
   // Binds a session to `conn_id` or checks that it is bound to it.
   static bool BindLocked(uint64_t* session_conn, uint64_t conn_id);
   void DropConnectionSessions(uint64_t conn_id);
