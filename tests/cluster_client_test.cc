@@ -914,10 +914,19 @@ TEST_F(ClusterTest, RoutingTagsKeepSegmentsTogetherForKiviResidual) {
   hc.segment_blocks = kSegment;
   auto keys = BlockHashChain(hc, tokens);
   ASSERT_TRUE(keys.ok());
-  std::set<std::string> owners;
   for (uint32_t i = 0; i < kBlocks; ++i) {
-    owners.insert(cc->OwnerOf((*keys)[i]));
     EXPECT_EQ(cc->OwnerOf((*keys)[i]), cc->OwnerOf((*keys)[i - i % kSegment]));
+  }
+  // Segments spread over the nodes: checked on a chain of 64 segments, which
+  // all land on one node with probability 3^-63 (a 3-segment chain would, at
+  // random node ports, one time in nine).
+  std::vector<uint32_t> long_tokens(64 * kSegment * shape.tokens_per_block);
+  for (size_t i = 0; i < long_tokens.size(); ++i) long_tokens[i] = 5 * i + 1;
+  auto long_keys = BlockHashChain(hc, long_tokens);
+  ASSERT_TRUE(long_keys.ok());
+  std::set<std::string> owners;
+  for (size_t i = 0; i < long_keys->size(); i += kSegment) {
+    owners.insert(cc->OwnerOf((*long_keys)[i]));
   }
   EXPECT_GT(owners.size(), 1u) << "segments spread over the nodes";
   std::vector<std::vector<uint16_t>> data;
