@@ -46,6 +46,17 @@ std::unique_ptr<Store> MakeStore(uint64_t blocks) {
   return *std::move(store);
 }
 
+// The 64-key prefixes of the chains that Fill stores.
+std::vector<std::vector<std::string>> ChainQueries(int blocks) {
+  std::vector<std::vector<std::string>> queries;
+  for (int first = 0; first + 64 <= blocks; first += 64) {
+    std::vector<std::string> q;
+    for (int i = first; i < first + 64; ++i) q.push_back(BlockKey(i));
+    queries.push_back(std::move(q));
+  }
+  return queries;
+}
+
 // Stores blocks [0, n) as chains of 64 (each block the previous one's child).
 bool Fill(Store* store, int n) {
   std::vector<uint16_t> fp16(32 * 32 * 2, 0x3C00);
@@ -99,12 +110,7 @@ void BM_Lookup64(benchmark::State& state) {
     state.SkipWithError("fill failed");
     return;
   }
-  std::vector<std::vector<std::string>> queries;
-  for (int first = 0; first + 64 <= blocks; first += 64) {
-    std::vector<std::string> q;
-    for (int i = first; i < first + 64; ++i) q.push_back(BlockKey(i));
-    queries.push_back(std::move(q));
-  }
+  const std::vector<std::vector<std::string>> queries = ChainQueries(blocks);
   size_t next = 0;
   for (auto _ : state) {
     auto r = store->Lookup("bench", queries[next], false, absl::ZeroDuration());
@@ -120,12 +126,7 @@ void BM_Baseline64MapFinds(benchmark::State& state) {
   const int blocks = static_cast<int>(state.range(0));
   absl::flat_hash_map<std::string, int> map;
   for (int i = 0; i < blocks; ++i) map[BlockKey(i)] = i;
-  std::vector<std::vector<std::string>> queries;
-  for (int first = 0; first + 64 <= blocks; first += 64) {
-    std::vector<std::string> q;
-    for (int i = first; i < first + 64; ++i) q.push_back(BlockKey(i));
-    queries.push_back(std::move(q));
-  }
+  const std::vector<std::vector<std::string>> queries = ChainQueries(blocks);
   size_t next = 0;
   for (auto _ : state) {
     int found = 0;

@@ -43,20 +43,19 @@ void PagePool::Release(const PageList& pages) {
   std::reverse(free_.begin() + stack_top, free_.end());
 }
 
-absl::Status PagePool::Scatter(const PageList& pages,
-                               absl::Span<const uint8_t> bytes) const {
+template <typename CopyFn>
+absl::Status PagePool::ForEachRun(const PageList& pages, size_t bytes,
+                                  CopyFn copy) const {
   size_t done = 0;
   uint32_t page = pages.first;
-  for (uint32_t i = 0; i < pages.count && done < bytes.size();) {
+  for (uint32_t i = 0; i < pages.count && done < bytes;) {
     uint32_t run = 1, last = page;
     while (i + run < pages.count && next_[last] == last + 1) {
       last = next_[last];
       ++run;
     }
-    size_t n =
-        std::min<size_t>(uint64_t{run} * page_size_, bytes.size() - done);
-    absl::Status s = arena_->Write(PageOffset(page), bytes.data() + done, n);
-    if (!s.ok()) return s;
+    size_t n = std::min<size_t>(uint64_t{run} * page_size_, bytes - done);
+    if (absl::Status s = copy(PageOffset(page), done, n); !s.ok()) return s;
     done += n;
     i += run;
     page = next_[last];
@@ -64,25 +63,20 @@ absl::Status PagePool::Scatter(const PageList& pages,
   return absl::OkStatus();
 }
 
+absl::Status PagePool::Scatter(const PageList& pages,
+                               absl::Span<const uint8_t> bytes) const {
+  return ForEachRun(pages, bytes.size(),
+                    [&](uint64_t offset, size_t at, size_t n) {
+                      return arena_->Write(offset, bytes.data() + at, n);
+                    });
+}
+
 absl::Status PagePool::Gather(const PageList& pages,
                               absl::Span<uint8_t> bytes) const {
-  size_t done = 0;
-  uint32_t page = pages.first;
-  for (uint32_t i = 0; i < pages.count && done < bytes.size();) {
-    uint32_t run = 1, last = page;
-    while (i + run < pages.count && next_[last] == last + 1) {
-      last = next_[last];
-      ++run;
-    }
-    size_t n =
-        std::min<size_t>(uint64_t{run} * page_size_, bytes.size() - done);
-    absl::Status s = arena_->Read(PageOffset(page), bytes.data() + done, n);
-    if (!s.ok()) return s;
-    done += n;
-    i += run;
-    page = next_[last];
-  }
-  return absl::OkStatus();
+  return ForEachRun(pages, bytes.size(),
+                    [&](uint64_t offset, size_t at, size_t n) {
+                      return arena_->Read(offset, bytes.data() + at, n);
+                    });
 }
 
 }  // namespace kvcache::store

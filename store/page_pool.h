@@ -63,6 +63,12 @@ class PagePool {
   absl::Status Gather(const PageList& pages, absl::Span<uint8_t> bytes) const;
 
  private:
+  // Calls copy(arena offset, offset in the bytes, length) for each run of
+  // consecutive pages covering the first `bytes` bytes of the list.
+  template <typename CopyFn>
+  absl::Status ForEachRun(const PageList& pages, size_t bytes,
+                          CopyFn copy) const;
+
   Arena* arena_;
   uint64_t offset_;
   uint32_t page_size_;
