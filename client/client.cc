@@ -12,6 +12,7 @@
 #include "client/ucx/client_plane.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
+#include "proto/convert.h"
 
 namespace kvcache {
 namespace {
@@ -21,13 +22,9 @@ constexpr char kRetryPayloadUrl[] = "type.kvcache.dev/retry-after-ms";
 // Bytes of a CommitWrite beyond its payloads (keys, framing).
 constexpr size_t kMessageSlack = 64 << 10;
 
-v1::Codec CodecToProto(Codec codec) {
-  return static_cast<v1::Codec>(static_cast<int>(codec) + 1);
-}
-
+// The node sends only codecs it knows; anything else reads as fp16.
 Codec CodecFromProto(v1::Codec codec) {
-  int value = static_cast<int>(codec) - 1;
-  return static_cast<Codec>(std::clamp(value, 0, 4));
+  return proto::CodecFromProto(codec).value_or(Codec::kNone);
 }
 
 // The one gRPC -> absl mapping of the client (same code numbers).
@@ -85,19 +82,9 @@ namespace {
 // codecs and formats (bytes left empty).
 GetResult MetadataFrom(const v1::BeginReadResponse& response) {
   GetResult result;
-  const v1::Layout& l = response.layout();
-  result.shape = {l.num_layers(), l.num_kv_heads(), l.head_dim(),
-                  l.tokens_per_block()};
-  const v1::CodecPolicy& p = response.codec_policy();
-  result.policy.codec = CodecFromProto(p.codec());
-  result.policy.fp16_layers.assign(p.fp16_layers().begin(),
-                                   p.fp16_layers().end());
-  result.policy.scale_mode = static_cast<ScaleMode>(p.scale_mode());
-  result.policy.static_k_scales.assign(p.static_k_scales().begin(),
-                                       p.static_k_scales().end());
-  result.policy.static_v_scales.assign(p.static_v_scales().begin(),
-                                       p.static_v_scales().end());
-  result.policy.kivi_group_size = p.kivi_group_size();
+  result.shape = proto::ShapeFromProto(response.layout());
+  result.policy =
+      proto::PolicyFromProto(response.codec_policy()).value_or(CodecPolicy{});
   for (const v1::BlockData& b : response.blocks()) {
     BlockData block;
     block.key = b.key();
@@ -310,22 +297,11 @@ absl::StatusOr<NamespaceInfo> Client::RegisterNamespace(
   s->set_model(spec.model);
   s->set_revision(spec.revision);
   s->set_tp_rank(spec.tp_rank);
-  v1::Layout* l = s->mutable_layout();
-  l->set_num_layers(spec.shape.num_layers);
-  l->set_num_kv_heads(spec.shape.num_kv_heads);
-  l->set_head_dim(spec.shape.head_dim);
-  l->set_tokens_per_block(spec.shape.tokens_per_block);
-  l->set_dtype(v1::DTYPE_FP16);
-  l->set_tensor_order(v1::TENSOR_ORDER_LAYER_KV_TOKEN_HEAD_DIM);
+  proto::ShapeToProto(spec.shape, s->mutable_layout());
   if (spec.policy.has_value()) {
     const CodecPolicy& p = *spec.policy;
     v1::CodecPolicy* out = s->mutable_codec_policy();
-    out->set_codec(CodecToProto(p.codec));
-    for (uint32_t layer : p.fp16_layers) out->add_fp16_layers(layer);
-    out->set_scale_mode(static_cast<v1::ScaleMode>(p.scale_mode));
-    for (float v : p.static_k_scales) out->add_static_k_scales(v);
-    for (float v : p.static_v_scales) out->add_static_v_scales(v);
-    out->set_kivi_group_size(p.kivi_group_size);
+    proto::PolicyToProto(p, out);
     if (spec.residual_tokens.has_value()) {
       out->set_residual_tokens(*spec.residual_tokens);
     }

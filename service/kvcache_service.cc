@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "proto/convert.h"
 
 namespace kvcache::service {
 namespace {
@@ -16,28 +17,6 @@ using kernels::Codec;
 // Milliseconds a client should wait before retrying a RESOURCE_EXHAUSTED.
 constexpr char kRetryAfterKey[] = "kvcache-retry-after-ms";
 constexpr char kRetryAfterMs[] = "250";
-
-absl::StatusOr<Codec> CodecFromProto(v1::Codec codec) {
-  switch (codec) {
-    case v1::CODEC_NONE:
-      return Codec::kNone;
-    case v1::CODEC_FP8_E4M3:
-      return Codec::kFp8E4M3;
-    case v1::CODEC_FP8_E5M2:
-      return Codec::kFp8E5M2;
-    case v1::CODEC_KIVI2:
-      return Codec::kKivi2;
-    case v1::CODEC_KIVI4:
-      return Codec::kKivi4;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown codec ", static_cast<int>(codec)));
-  }
-}
-
-v1::Codec CodecToProto(Codec codec) {
-  return static_cast<v1::Codec>(static_cast<int>(codec) + 1);
-}
 
 absl::StatusOr<store::NamespaceConfig> ConfigFromProto(
     const v1::NamespaceSpec& spec) {
@@ -54,55 +33,14 @@ absl::StatusOr<store::NamespaceConfig> ConfigFromProto(
       l.tensor_order() != v1::TENSOR_ORDER_LAYER_KV_TOKEN_HEAD_DIM) {
     return absl::InvalidArgumentError("unknown tensor order");
   }
-  c.shape = {l.num_layers(), l.num_kv_heads(), l.head_dim(),
-             l.tokens_per_block()};
+  c.shape = proto::ShapeFromProto(l);
   const v1::CodecPolicy& p = spec.codec_policy();
   c.codec_specified = p.codec() != v1::CODEC_UNSPECIFIED;
-  if (c.codec_specified) {
-    absl::StatusOr<Codec> codec = CodecFromProto(p.codec());
-    if (!codec.ok()) return codec.status();
-    c.policy.codec = *codec;
-  }
-  c.policy.fp16_layers.assign(p.fp16_layers().begin(), p.fp16_layers().end());
-  switch (p.scale_mode()) {
-    case v1::SCALE_MODE_DYNAMIC:
-      c.policy.scale_mode = kernels::ScaleMode::kDynamic;
-      break;
-    case v1::SCALE_MODE_STATIC_PER_LAYER:
-      c.policy.scale_mode = kernels::ScaleMode::kStaticPerLayer;
-      break;
-    case v1::SCALE_MODE_STATIC_PER_LAYER_HEAD:
-      c.policy.scale_mode = kernels::ScaleMode::kStaticPerLayerHead;
-      break;
-    default:
-      return absl::InvalidArgumentError("unknown scale mode");
-  }
-  c.policy.static_k_scales.assign(p.static_k_scales().begin(),
-                                  p.static_k_scales().end());
-  c.policy.static_v_scales.assign(p.static_v_scales().begin(),
-                                  p.static_v_scales().end());
-  c.policy.kivi_group_size =
-      p.kivi_group_size() == 0 ? 32 : p.kivi_group_size();
+  absl::StatusOr<kernels::CodecPolicy> policy = proto::PolicyFromProto(p);
+  if (!policy.ok()) return policy.status();
+  c.policy = *std::move(policy);
   if (p.has_residual_tokens()) c.residual_tokens = p.residual_tokens();
   return c;
-}
-
-void PolicyToProto(const kernels::CodecPolicy& policy, v1::CodecPolicy* out) {
-  out->set_codec(CodecToProto(policy.codec));
-  for (uint32_t layer : policy.fp16_layers) out->add_fp16_layers(layer);
-  out->set_scale_mode(static_cast<v1::ScaleMode>(policy.scale_mode));
-  for (float s : policy.static_k_scales) out->add_static_k_scales(s);
-  for (float s : policy.static_v_scales) out->add_static_v_scales(s);
-  out->set_kivi_group_size(policy.kivi_group_size);
-}
-
-void LayoutToProto(const kernels::BlockShape& shape, v1::Layout* out) {
-  out->set_num_layers(shape.num_layers);
-  out->set_num_kv_heads(shape.num_kv_heads);
-  out->set_head_dim(shape.head_dim);
-  out->set_tokens_per_block(shape.tokens_per_block);
-  out->set_dtype(v1::DTYPE_FP16);
-  out->set_tensor_order(v1::TENSOR_ORDER_LAYER_KV_TOKEN_HEAD_DIM);
 }
 
 std::vector<std::string> Keys(
@@ -217,7 +155,8 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::RegisterNamespace(
     if (!info.ok()) return info.status();
     response->set_fingerprint(info->fingerprint);
     response->set_already_registered(info->already_registered);
-    response->set_effective_codec(CodecToProto(info->config.policy.codec));
+    response->set_effective_codec(
+        proto::CodecToProto(info->config.policy.codec));
     response->set_fp16_block_bytes(info->fp16_block_bytes);
     response->set_encoded_block_bytes(info->encoded_block_bytes);
     return absl::OkStatus();
@@ -364,15 +303,15 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
     const store::ReadBlock& block = r->blocks[i];
     v1::BlockData* out = response->add_blocks();
     out->set_key(block.key);
-    out->set_codec(CodecToProto(block.codec));
+    out->set_codec(proto::CodecToProto(block.codec));
     out->set_format(request->format());
     out->set_length(block.data.size());
     for (uint64_t end : ends[i]) out->add_layer_end_offsets(end);
   }
-  PolicyToProto(r->ns.config.policy, response->mutable_codec_policy());
+  proto::PolicyToProto(r->ns.config.policy, response->mutable_codec_policy());
   response->mutable_codec_policy()->set_residual_tokens(
       r->ns.config.residual_tokens);
-  LayoutToProto(r->ns.config.shape, response->mutable_layout());
+  proto::ShapeToProto(r->ns.config.shape, response->mutable_layout());
   const uint64_t lease_id = r->lease_id;
   response->set_read_id(lease_id);
   absl::StatusOr<ucx::Token> token = data_plane_->OpenRead(
@@ -409,16 +348,16 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
     for (store::ReadBlock& block : r->blocks) {
       v1::BlockData* out = response->add_blocks();
       out->set_key(std::move(block.key));
-      out->set_codec(CodecToProto(block.codec));
+      out->set_codec(proto::CodecToProto(block.codec));
       out->set_format(request->format());
       out->set_length(block.data.size());
       bytes += block.data.size();
       out->set_data(std::move(block.data));
     }
-    PolicyToProto(r->ns.config.policy, response->mutable_codec_policy());
+    proto::PolicyToProto(r->ns.config.policy, response->mutable_codec_policy());
     response->mutable_codec_policy()->set_residual_tokens(
         r->ns.config.residual_tokens);
-    LayoutToProto(r->ns.config.shape, response->mutable_layout());
+    proto::ShapeToProto(r->ns.config.shape, response->mutable_layout());
     response->set_read_id(r->lease_id);
     metrics_->RecordTransfer("out", "grpc", bytes);
     return absl::OkStatus();
@@ -458,7 +397,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Stats(
     response->set_page_size(s.page_size);
     for (size_t c = 0; c < s.codecs.size(); ++c) {
       v1::CodecCapacity* cc = response->add_codecs();
-      cc->set_codec(CodecToProto(static_cast<Codec>(c)));
+      cc->set_codec(proto::CodecToProto(static_cast<Codec>(c)));
       cc->set_blocks(s.codecs[c].blocks);
       cc->set_tokens(s.codecs[c].tokens);
       cc->set_stored_bytes(s.codecs[c].stored_bytes);
@@ -467,7 +406,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Stats(
     for (const store::NamespaceStats& ns : s.namespaces) {
       v1::NamespaceCapacity* nc = response->add_namespaces();
       nc->set_name(ns.name);
-      nc->set_codec(CodecToProto(ns.codec));
+      nc->set_codec(proto::CodecToProto(ns.codec));
       nc->set_blocks(ns.blocks);
       nc->set_tokens(ns.tokens);
       nc->set_stored_bytes(ns.stored_bytes);

@@ -1163,27 +1163,35 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
     const bool residual = entry->is(kResidual);
     const kernels::CodecPolicy& policy =
         residual ? ns->residual_policy : ns->info.config.policy;
-    stored.resize(residual ? ns->info.fp16_block_bytes
-                           : ns->info.encoded_block_bytes);
+    const size_t payload_bytes =
+        residual ? ns->info.fp16_block_bytes : ns->info.encoded_block_bytes;
+    ReadBlock block;
+    block.key = keys[i];
+    block.codec = policy.codec;
+    // A raw read gathers straight into the reply; an fp16 read gathers into
+    // scratch and decodes into the reply. Either way, one copy of the pages.
+    absl::Span<uint8_t> payload;
+    if (format == ReadFormat::kRaw) {
+      block.data.resize(payload_bytes);
+      payload = absl::MakeSpan(reinterpret_cast<uint8_t*>(block.data.data()),
+                               payload_bytes);
+    } else {
+      stored.resize(payload_bytes);
+      payload = absl::MakeSpan(stored);
+    }
     BlockHeader header;
-    status = pool_.Gather(entry->pages, absl::MakeSpan(stored));
+    status = pool_.Gather(entry->pages, payload);
     if (status.ok()) status = ReadHeader(entry->pages.first, &header);
     if (!status.ok()) break;
     status = VerifyBlock(header, shape, policy, ns->info.fingerprint, keys[i],
-                         stored);
+                         payload);
     if (!status.ok()) {
       failed = i;
       status = absl::DataLossError(absl::StrCat(
           "block ", i, ": ", status.message(), "; the block was dropped"));
       break;
     }
-    ReadBlock block;
-    block.key = keys[i];
-    block.codec = policy.codec;
-    if (format == ReadFormat::kRaw) {
-      block.data.assign(reinterpret_cast<const char*>(stored.data()),
-                        stored.size());
-    } else {
+    if (format == ReadFormat::kFp16) {
       block.data.resize(ns->info.fp16_block_bytes);
       status = kernels::DecodeBlock(
           shape, policy, stored,
