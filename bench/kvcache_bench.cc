@@ -64,6 +64,7 @@ struct Config {
   bool perftest = true;
   bool warmup = true;
   bool get_copy = false;  // Client::Get (copies out) instead of GetInto
+  bool get_heap = false;  // GetInto heap memory (registered per read)
 };
 
 std::string Usage() {
@@ -81,9 +82,11 @@ std::string Usage() {
   --put-codec=CODEC   codec of the put namespace (default fp8_e4m3)
   --no-perftest       skip ucx_perftest
   --no-warmup         skip writing through the arena once before measuring
-  --get-api=API       into (default): Client::GetInto, registered caller
-                      memory; copy: Client::Get, UCX-allocated memory
-                      copied out into strings
+  --get-api=API       into (default): Client::GetInto into a DataBuffer
+                      (Client::AllocateBuffer: UCX memory, registered
+                      once); heap: Client::GetInto into heap memory,
+                      registered per read; copy: Client::Get, copied out
+                      into strings
 UCX_TLS / UCX_NET_DEVICES select the transport for both sides.
 )";
 }
@@ -146,10 +149,11 @@ absl::StatusOr<Config> ParseArgs(int argc, char** argv) {
     } else if (name == "--no-warmup") {
       c.warmup = false;
     } else if (name == "--get-api") {
-      if (value != "into" && value != "copy") {
-        return absl::InvalidArgumentError("--get-api: into or copy");
+      if (value != "into" && value != "heap" && value != "copy") {
+        return absl::InvalidArgumentError("--get-api: into, heap or copy");
       }
       c.get_copy = value == "copy";
+      c.get_heap = value == "heap";
     } else {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag ", arg));
     }
@@ -478,8 +482,25 @@ int Run(const Config& config) {
 
     for (int streams : config.streams) {
       // Per-stream destination buffers for GetInto.
-      std::vector<std::vector<uint8_t>> dest(
-          streams, std::vector<uint8_t>(static_cast<size_t>(batch) * size));
+      std::vector<std::vector<uint8_t>> heap;
+      std::vector<std::unique_ptr<kvcache::DataBuffer>> buffers;
+      std::vector<absl::Span<uint8_t>> dest;
+      for (int s = 0; s < streams; ++s) {
+        const size_t bytes = static_cast<size_t>(batch) * size;
+        if (config.get_heap) {
+          heap.emplace_back(bytes);
+          dest.push_back(absl::MakeSpan(heap.back()));
+          continue;
+        }
+        auto buffer = (*client)->AllocateBuffer(bytes);
+        if (!buffer.ok()) {
+          std::fprintf(stderr, "AllocateBuffer: %s\n",
+                       std::string(buffer.status().message()).c_str());
+          return 1;
+        }
+        buffers.push_back(*std::move(buffer));
+        dest.push_back(buffers.back()->span());
+      }
       // Gets first, of blocks put again now (puts evict the least recently
       // used blocks, and earlier rounds may have taken these).
       if (auto again = (*client)->Put(get_spec.name, seed); !again.ok()) {
@@ -488,24 +509,24 @@ int Run(const Config& config) {
         return 1;
       }
       Summary get = Repeat(config.runs, [&] {
-        return Measure(
-            streams, config.seconds,
-            [&](int s, uint64_t) -> absl::StatusOr<uint64_t> {
-              if (config.get_copy) {
-                auto got = (*client)->Get(get_spec.name, get_keys,
-                                          kvcache::ReadFormat::kFp16);
-                if (!got.ok()) return got.status();
-                return static_cast<uint64_t>(batch) * size;
-              }
-              auto read = (*client)->GetInto(get_spec.name, get_keys,
-                                             kvcache::ReadFormat::kFp16,
-                                             absl::MakeSpan(dest[s]), size);
-              if (!read.ok()) return read.status();
-              if (absl::Status w = (*read)->Wait(); !w.ok()) {
-                return w;
-              }
-              return static_cast<uint64_t>(batch) * size;
-            });
+        return Measure(streams, config.seconds,
+                       [&](int s, uint64_t) -> absl::StatusOr<uint64_t> {
+                         if (config.get_copy) {
+                           auto got =
+                               (*client)->Get(get_spec.name, get_keys,
+                                              kvcache::ReadFormat::kFp16);
+                           if (!got.ok()) return got.status();
+                           return static_cast<uint64_t>(batch) * size;
+                         }
+                         auto read = (*client)->GetInto(
+                             get_spec.name, get_keys,
+                             kvcache::ReadFormat::kFp16, dest[s], size);
+                         if (!read.ok()) return read.status();
+                         if (absl::Status w = (*read)->Wait(); !w.ok()) {
+                           return w;
+                         }
+                         return static_cast<uint64_t>(batch) * size;
+                       });
       });
       std::atomic<uint64_t> put_serial{0};
       Summary put = Repeat(config.runs, [&] {

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <utility>
 
@@ -138,6 +141,30 @@ struct Client::Impl {
   std::unique_ptr<ucx::ClientPlane> plane;  // guarded by plane_mu; lazy
   absl::Status plane_error;                 // guarded by plane_mu; sticky
 
+  // Registered DataBuffers by first byte.
+  struct Buffer {
+    size_t size;
+    uint64_t id;
+    std::weak_ptr<ucx::MemoryRegion> region;
+  };
+  std::mutex buffers_mu;
+  std::map<uintptr_t, Buffer> buffers;  // guarded by buffers_mu
+  uint64_t next_buffer_id = 1;          // guarded by buffers_mu
+
+  // The registered DataBuffer region holding [data, data + n), if any, and
+  // its id.
+  std::shared_ptr<ucx::MemoryRegion> BufferHolding(const uint8_t* data,
+                                                   size_t n, uint64_t* id) {
+    const uintptr_t start = reinterpret_cast<uintptr_t>(data);
+    std::lock_guard<std::mutex> lock(buffers_mu);
+    auto it = buffers.upper_bound(start);
+    if (it == buffers.begin()) return nullptr;
+    --it;
+    if (start + n > it->first + it->second.size) return nullptr;
+    *id = it->second.id;
+    return it->second.region.lock();
+  }
+
   void Prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(std::chrono::system_clock::now() +
                       absl::ToChronoMilliseconds(options.timeout));
@@ -218,8 +245,9 @@ struct Client::Impl {
   // region->data() + offsets[i].
   absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> StartRead(
       ucx::ClientPlane* ucx_plane, const v1::BeginReadResponse& response,
-      std::unique_ptr<ucx::MemoryRegion> region,
-      const std::vector<uint64_t>& offsets, bool per_layer) {
+      std::shared_ptr<ucx::MemoryRegion> region,
+      const std::vector<uint64_t>& offsets, bool per_layer,
+      uint64_t buffer_id = 0) {
     absl::StatusOr<ucx::Token> token =
         ucx::TokenFromBytes(response.data_plane().token());
     if (!token.ok()) return token.status();
@@ -228,7 +256,8 @@ struct Client::Impl {
     for (uint64_t offset : offsets) destinations.push_back(base + offset);
     return ucx_plane->StartRead(Resolve(response.data_plane()),
                                 response.read_id(), *token, std::move(region),
-                                destinations, PlaneLayers(response), per_layer);
+                                destinations, PlaneLayers(response), per_layer,
+                                buffer_id);
   }
 };
 
@@ -563,14 +592,22 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
   absl::Status st = [&]() -> absl::Status {
     absl::StatusOr<ucx::ClientPlane*> ucx_plane = impl_->Plane();
     if (!ucx_plane.ok()) return ucx_plane.status();
-    // The caller's buffer is registered for this read only: its remote key
-    // dies with the read.
-    absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> region =
-        (*ucx_plane)->Register(dest.data(), keys.size() * stride);
-    if (!region.ok()) return region.status();
+    // A DataBuffer is registered already; other memory is registered for
+    // this read only, and its remote key dies with the read.
+    uint64_t buffer_id = 0;
+    std::shared_ptr<ucx::MemoryRegion> region =
+        impl_->BufferHolding(dest.data(), keys.size() * stride, &buffer_id);
+    if (region == nullptr) {
+      absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> registered =
+          (*ucx_plane)->Register(dest.data(), keys.size() * stride);
+      if (!registered.ok()) return registered.status();
+      region = *std::move(registered);
+    }
+    const uint64_t skip = static_cast<uint64_t>(dest.data() - region->data());
+    for (uint64_t& offset : offsets) offset += skip;
     absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> read =
-        impl_->StartRead(*ucx_plane, *response, *std::move(region), offsets,
-                         /*per_layer=*/true);
+        impl_->StartRead(*ucx_plane, *response, std::move(region), offsets,
+                         /*per_layer=*/true, buffer_id);
     if (!read.ok()) return read.status();
     impl->read = *std::move(read);
     return absl::OkStatus();
@@ -580,6 +617,62 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
     return st;
   }
   return std::make_unique<PendingRead>(std::move(impl));
+}
+
+struct DataBuffer::Impl {
+  std::shared_ptr<ucx::MemoryRegion> region;  // null: plain memory
+  std::unique_ptr<uint8_t[]> plain;
+  size_t size = 0;
+  std::function<void()> unregister;
+};
+
+DataBuffer::DataBuffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+DataBuffer::~DataBuffer() {
+  if (impl_->unregister) impl_->unregister();
+}
+absl::Span<uint8_t> DataBuffer::span() const {
+  return absl::MakeSpan(
+      impl_->region != nullptr ? impl_->region->data() : impl_->plain.get(),
+      impl_->size);
+}
+bool DataBuffer::registered() const { return impl_->region != nullptr; }
+
+absl::StatusOr<std::unique_ptr<DataBuffer>> Client::AllocateBuffer(
+    size_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("a buffer of 0 bytes");
+  auto impl = std::make_unique<DataBuffer::Impl>();
+  impl->size = bytes;
+  absl::StatusOr<ucx::ClientPlane*> ucx_plane =
+      impl_->WantDataPlane() ? impl_->Plane()
+                             : absl::StatusOr<ucx::ClientPlane*>(
+                                   absl::FailedPreconditionError("gRPC only"));
+  if (ucx_plane.ok()) {
+    absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> region =
+        (*ucx_plane)->Allocate(bytes);
+    if (!region.ok()) return region.status();
+    impl->region = *std::move(region);
+    const uintptr_t start = reinterpret_cast<uintptr_t>(impl->region->data());
+    uint64_t id;
+    {
+      std::lock_guard<std::mutex> lock(impl_->buffers_mu);
+      id = impl_->next_buffer_id++;
+      impl_->buffers[start] = {bytes, id, impl->region};
+    }
+    Impl* client = impl_.get();
+    ucx::ClientPlane* plane = *ucx_plane;
+    impl->unregister = [client, plane, start, id] {
+      {
+        std::lock_guard<std::mutex> lock(client->buffers_mu);
+        client->buffers.erase(start);
+      }
+      plane->ReleaseBuffer(id);
+    };
+  } else if (impl_->options.data_plane == DataPlane::kUcx) {
+    return ucx_plane.status();
+  } else {
+    impl->plain = std::make_unique<uint8_t[]>(bytes);
+  }
+  return std::make_unique<DataBuffer>(std::move(impl));
 }
 
 absl::Status Client::Release(uint64_t pin_lease) {

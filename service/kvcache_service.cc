@@ -295,8 +295,13 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   absl::StatusOr<store::ReadResult> r = store_->BeginRead(
       request->namespace_name(), Keys(request->keys()), format,
       Millis(request->lease_ttl_ms()), request->pin_lease_id(),
-      /*keep_lease=*/true);
+      /*keep_lease=*/true, /*in_place=*/true);
   if (!r.ok()) return r.status();
+  // Blocks read in place are put from the pinned arena pages: only copies
+  // (decoded blocks, or every block of a device arena) hold staging.
+  uint64_t copied = 0;
+  for (const store::ReadBlock& block : r->blocks) copied += block.data.size();
+  ucx::StagingReservation held = reservation->Split(copied);
   std::vector<std::vector<uint64_t>> ends =
       ucx::DataPlane::LayerEnds(*r, format);
   for (size_t i = 0; i < r->blocks.size(); ++i) {
@@ -305,7 +310,7 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
     out->set_key(block.key);
     out->set_codec(proto::CodecToProto(block.codec));
     out->set_format(request->format());
-    out->set_length(block.data.size());
+    out->set_length(block.size());
     for (uint64_t end : ends[i]) out->add_layer_end_offsets(end);
   }
   proto::PolicyToProto(r->ns.config.policy, response->mutable_codec_policy());
@@ -315,7 +320,7 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   const uint64_t lease_id = r->lease_id;
   response->set_read_id(lease_id);
   absl::StatusOr<ucx::Token> token = data_plane_->OpenRead(
-      *std::move(r), std::move(ends), *std::move(reservation),
+      *std::move(r), std::move(ends), std::move(held),
       data_plane_->LeaseDeadline(request->lease_ttl_ms()));
   if (!token.ok()) {
     store_->EndLease(lease_id).IgnoreError();

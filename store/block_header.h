@@ -50,7 +50,17 @@ BlockHeader MakeBlockHeader(const kernels::BlockShape& shape,
                             absl::string_view key,
                             absl::Span<const uint8_t> payload);
 
-// DATA_LOSS naming the first mismatch, or OK.
+// DATA_LOSS naming the first mismatch, or OK. `payload_checksum` is the
+// xxh3-64 the caller computed over the payload as stored (for a payload
+// that is not contiguous, by streaming XXH3 over its pieces in order).
+absl::Status VerifyBlockMetadata(const BlockHeader& header,
+                                 const kernels::BlockShape& shape,
+                                 const kernels::CodecPolicy& policy,
+                                 uint64_t namespace_fingerprint,
+                                 absl::string_view key, uint64_t payload_bytes,
+                                 uint64_t payload_checksum);
+
+// VerifyBlockMetadata over a contiguous payload.
 absl::Status VerifyBlock(const BlockHeader& header,
                          const kernels::BlockShape& shape,
                          const kernels::CodecPolicy& policy,

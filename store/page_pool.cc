@@ -43,26 +43,6 @@ void PagePool::Release(const PageList& pages) {
   std::reverse(free_.begin() + stack_top, free_.end());
 }
 
-template <typename CopyFn>
-absl::Status PagePool::ForEachRun(const PageList& pages, size_t bytes,
-                                  CopyFn copy) const {
-  size_t done = 0;
-  uint32_t page = pages.first;
-  for (uint32_t i = 0; i < pages.count && done < bytes;) {
-    uint32_t run = 1, last = page;
-    while (i + run < pages.count && next_[last] == last + 1) {
-      last = next_[last];
-      ++run;
-    }
-    size_t n = std::min<size_t>(uint64_t{run} * page_size_, bytes - done);
-    if (absl::Status s = copy(PageOffset(page), done, n); !s.ok()) return s;
-    done += n;
-    i += run;
-    page = next_[last];
-  }
-  return absl::OkStatus();
-}
-
 absl::Status PagePool::Scatter(const PageList& pages,
                                absl::Span<const uint8_t> bytes) const {
   return ForEachRun(pages, bytes.size(),

@@ -16,6 +16,7 @@
 #ifndef KVCACHE_STORE_PAGE_POOL_H_
 #define KVCACHE_STORE_PAGE_POOL_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -62,13 +63,30 @@ class PagePool {
                        absl::Span<const uint8_t> bytes) const;
   absl::Status Gather(const PageList& pages, absl::Span<uint8_t> bytes) const;
 
- private:
-  // Calls copy(arena offset, offset in the bytes, length) for each run of
-  // consecutive pages covering the first `bytes` bytes of the list.
-  template <typename CopyFn>
-  absl::Status ForEachRun(const PageList& pages, size_t bytes,
-                          CopyFn copy) const;
+  // Calls fn(arena offset, offset in the bytes, length) for each run of
+  // consecutive pages covering the first `bytes` bytes of the list, in
+  // order; stops at and returns the first error fn returns.
+  template <typename Fn>
+  absl::Status ForEachRun(const PageList& pages, size_t bytes, Fn fn) const {
+    size_t done = 0;
+    uint32_t page = pages.first;
+    for (uint32_t i = 0; i < pages.count && done < bytes;) {
+      uint32_t run = 1, last = page;
+      while (i + run < pages.count && next_[last] == last + 1) {
+        last = next_[last];
+        ++run;
+      }
+      const size_t n =
+          std::min<size_t>(uint64_t{run} * page_size_, bytes - done);
+      if (absl::Status s = fn(PageOffset(page), done, n); !s.ok()) return s;
+      done += n;
+      i += run;
+      page = next_[last];
+    }
+    return absl::OkStatus();
+  }
 
+ private:
   Arena* arena_;
   uint64_t offset_;
   uint32_t page_size_;

@@ -137,6 +137,16 @@ struct ReadBlock {
   // block in KIVI's residual window (then a raw read is plain fp16).
   kernels::Codec codec = kernels::Codec::kNone;
   std::string data;  // fp16 (little-endian half) or the raw encoding
+  // Read in place (BeginRead with in_place): the bytes where they lie in the
+  // arena, in order, and `data` is empty. Valid until the read lease ends:
+  // pinned pages are neither reused nor rewritten.
+  std::vector<absl::Span<const uint8_t>> spans;
+  uint64_t size() const {
+    if (spans.empty()) return data.size();
+    uint64_t n = 0;
+    for (const auto& s : spans) n += s.size();
+    return n;
+  }
 };
 
 struct ReadResult {
@@ -246,10 +256,16 @@ class Store {
   // Pins the blocks of `keys` (all must be stored: NOT_FOUND names the first
   // missing one), verifies and copies them out. With keep_lease == false the
   // pins are released before returning and lease_id is 0.
+  // in_place (with keep_lease, on a host arena): a block whose answer is its
+  // stored bytes (a raw read, or an fp16 block read as fp16) is verified
+  // where it lies and returned as spans of the arena instead of a copy;
+  // the others are copied (decoded) as usual. The caller must not use the
+  // spans after EndLease or the lease's TTL.
   absl::StatusOr<ReadResult> BeginRead(const std::string& ns,
                                        absl::Span<const std::string> keys,
                                        ReadFormat format, absl::Duration ttl,
-                                       uint64_t pin_lease_id, bool keep_lease);
+                                       uint64_t pin_lease_id, bool keep_lease,
+                                       bool in_place = false);
   // Ends a read lease or a Lookup pin. NOT_FOUND for an unknown or expired id.
   absl::Status EndLease(uint64_t lease_id);
 

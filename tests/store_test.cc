@@ -119,6 +119,93 @@ TEST(StoreTest, RawReadMatchesTheCodecAndDecodesToTheFp16Read) {
             0);
 }
 
+std::string Concat(const ReadBlock& block) {
+  std::string out;
+  for (absl::Span<const uint8_t> span : block.spans) {
+    out.append(reinterpret_cast<const char*>(span.data()), span.size());
+  }
+  return out;
+}
+
+TEST(StoreTest, InPlaceReadsServeVerifiedPinnedPagesThatStayUntilTheLeaseEnds) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kFp8E4M3)).ok());
+  // Holes of 4 pages (fp16 blocks) refilled by 3-page fp8 blocks: some of
+  // those take pages that are not consecutive.
+  ASSERT_TRUE(store->RegisterNamespace(Config("filler", Codec::kNone)).ok());
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_TRUE(WriteChain(store.get(), "filler", i, 1).ok());
+  }
+  for (int i = 0; i < 8; i += 2) {
+    ASSERT_TRUE(store->Delete("filler", Keys(i, 1)).ok());
+  }
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 200, 6).ok());
+  auto copy = store->BeginRead("ns", Keys(200, 6), ReadFormat::kRaw,
+                               absl::ZeroDuration(), 0, false);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  auto in_place =
+      store->BeginRead("ns", Keys(200, 6), ReadFormat::kRaw, absl::Seconds(30),
+                       0, /*keep_lease=*/true, /*in_place=*/true);
+  ASSERT_TRUE(in_place.ok()) << in_place.status();
+  ASSERT_NE(in_place->lease_id, 0u);
+  size_t pieces = 0;
+  for (int i = 0; i < 6; ++i) {
+    const ReadBlock& block = in_place->blocks[i];
+    EXPECT_TRUE(block.data.empty());
+    ASSERT_FALSE(block.spans.empty());
+    pieces += block.spans.size();
+    EXPECT_EQ(block.size(), copy->blocks[i].data.size());
+    EXPECT_EQ(Concat(block), copy->blocks[i].data) << "block " << i;
+  }
+  EXPECT_GT(pieces, 6u) << "the test meant to cover blocks split over runs";
+  EXPECT_GT(store->Stats().pinned_bytes, 0u);
+  // Deleting the pinned blocks and writing over the pool leaves their pages
+  // alone until the lease ends.
+  ASSERT_TRUE(store->Delete("ns", Keys(200, 6)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 300, 8).ok());
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(Concat(in_place->blocks[i]), copy->blocks[i].data);
+  }
+  ASSERT_TRUE(store->EndLease(in_place->lease_id).ok());
+  EXPECT_EQ(store->Stats().pinned_bytes, 0u);
+
+  // An fp16 read of fp8 blocks is decoded, so it is a copy even in place;
+  // without keep_lease nothing is served in place.
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 400, 2).ok());
+  auto decoded =
+      store->BeginRead("ns", Keys(400, 2), ReadFormat::kFp16, absl::Seconds(30),
+                       0, /*keep_lease=*/true, /*in_place=*/true);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  for (const ReadBlock& block : decoded->blocks) {
+    EXPECT_TRUE(block.spans.empty());
+    EXPECT_EQ(block.data.size(), kernels::Fp16BlockBytes(SmallShape()));
+  }
+  ASSERT_TRUE(store->EndLease(decoded->lease_id).ok());
+  auto unleased = store->BeginRead("ns", Keys(400, 2), ReadFormat::kRaw,
+                                   absl::ZeroDuration(), 0,
+                                   /*keep_lease=*/false, /*in_place=*/true);
+  ASSERT_TRUE(unleased.ok());
+  EXPECT_TRUE(unleased->blocks[0].spans.empty());
+  EXPECT_FALSE(unleased->blocks[0].data.empty());
+}
+
+TEST(StoreTest, InPlaceReadOfACorruptBlockIsDataLossAndDropsIt) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
+  ASSERT_TRUE(store->CorruptBlockForTest("ns", Key(2)).ok());
+  auto read = store->BeginRead("ns", Keys(0, 3), ReadFormat::kFp16,
+                               absl::Seconds(30), 0, true, /*in_place=*/true);
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss) << read.status();
+  StoreStats s = store->Stats();
+  EXPECT_EQ(s.data_loss_events, 1u);
+  EXPECT_EQ(s.pinned_bytes, 0u);
+  EXPECT_EQ(s.active_read_leases, 0u);
+  EXPECT_EQ(store->Lookup("ns", Keys(0, 3), false, absl::ZeroDuration())
+                ->prefix_blocks,
+            2u);
+}
+
 TEST(StoreTest, WritesAreInvisibleUntilCommit) {
   auto store = MakeStore(1 << 20);
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());

@@ -293,6 +293,64 @@ TEST_P(UcxTest, GetIntoDeliversLayerByLayerIntoCallerMemory) {
   ExpectNothingHeld(absl::Seconds(5));
 }
 
+TEST_P(UcxTest, DataBuffersKeepTheirKeyAcrossReadsUntilReleased) {
+  const kernels::BlockShape shape = LargeShape();
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("buffers", Codec::kNone, shape)).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "buffers", shape, 0, 4).ok());
+  const size_t stride = kernels::Fp16BlockBytes(shape);
+  auto waits_for_keys = [&](uint32_t want) {
+    absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (node_->data_plane()->Stats().buffer_keys != want &&
+           absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return node_->data_plane()->Stats().buffer_keys;
+  };
+  {
+    auto buffer = client_->AllocateBuffer(4 * stride);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    ASSERT_TRUE((*buffer)->registered());
+    ASSERT_EQ((*buffer)->size(), 4 * stride);
+    // Reads at different offsets of one buffer, fp16 (in place) and raw.
+    for (int round = 0; round < 3; ++round) {
+      const int first = round % 2;
+      const int n = 4 - first;
+      std::memset((*buffer)->data(), 0xEE, (*buffer)->size());
+      auto dest = (*buffer)->span().subspan(first * stride);
+      auto read = client_->GetInto("buffers", Keys(first, n), ReadFormat::kFp16,
+                                   dest, stride);
+      ASSERT_TRUE(read.ok()) << read.status();
+      EXPECT_TRUE((*read)->over_data_plane());
+      ASSERT_TRUE((*read)->Wait().ok());
+      for (int b = 0; b < n; ++b) {
+        EXPECT_EQ(std::memcmp(dest.data() + b * stride, data_[first + b].data(),
+                              stride),
+                  0)
+            << "round " << round << " block " << b;
+      }
+    }
+    EXPECT_EQ(waits_for_keys(1), 1u) << "one key kept for the buffer";
+  }
+  // Freeing the buffer tells the node to drop its key.
+  EXPECT_EQ(waits_for_keys(0), 0u);
+  // Plain memory is registered per read and leaves no key behind.
+  std::vector<uint8_t> heap(2 * stride);
+  auto read = client_->GetInto("buffers", Keys(0, 2), ReadFormat::kRaw,
+                               absl::MakeSpan(heap), stride);
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_TRUE((*read)->Wait().ok());
+  EXPECT_EQ(std::memcmp(heap.data(), data_[0].data(), stride), 0);
+  EXPECT_EQ(node_->data_plane()->Stats().buffer_keys, 0u);
+  // A client without a data plane hands out plain memory.
+  auto plain = grpc_client_->AllocateBuffer(stride);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE((*plain)->registered());
+  EXPECT_EQ(client_->AllocateBuffer(0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
 TEST_P(UcxTest, ConnectionsWithoutAValidTokenAreClosed) {
   auto loop = ucx::WorkerLoop::Start({});
   ASSERT_TRUE(loop.ok()) << loop.status();

@@ -304,9 +304,9 @@ absl::Status ClientPlane::SendBlocks(const NodeAddress& address,
 
 absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
     const NodeAddress& address, uint64_t read_id, const Token& token,
-    std::unique_ptr<MemoryRegion> region,
+    std::shared_ptr<MemoryRegion> region,
     const std::vector<uint64_t>& destinations, uint32_t num_layers,
-    bool per_layer) {
+    bool per_layer, uint64_t buffer_id) {
   absl::StatusOr<std::string> rkey = region->PackRemoteKey();
   if (!rkey.ok()) return rkey.status();
   ReadStartHeader h;
@@ -316,6 +316,7 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   h.rkey_length = static_cast<uint32_t>(rkey->size());
   h.client_address_length = static_cast<uint32_t>(worker_address_.size());
   h.per_layer = per_layer ? 1 : 0;
+  h.buffer_id = buffer_id;
   std::string header = Encode(h);
   // Header, key, destinations, this worker's address: kept by the
   // operation until it completes.
@@ -357,6 +358,27 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   if (!posted) return absl::UnavailableError("the client is closing");
   return absl::WrapUnique(new Read(this, address.key(), std::move(state),
                                    std::move(region), num_layers));
+}
+
+void ClientPlane::ReleaseBuffer(uint64_t buffer_id) {
+  ReleaseBufferHeader h;
+  h.buffer_id = buffer_id;
+  loop_->Post([this, header = Encode(h)]() mutable {
+    for (auto& [key, conn] : connections_) {
+      const ucp_ep_h ep = conn->ep->get();
+      loop_->AddBusy(1);
+      Operation::Start(
+          Operation::Kind::kSend,
+          [ep](const ucp_request_param_t& param, absl::string_view kept) {
+            ucp_request_param_t p = param;
+            p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+            p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+            return ucp_am_send_nbx(ep, kAmReleaseBuffer, kept.data(),
+                                   kept.size(), nullptr, 0, &p);
+          },
+          [this](absl::Status) { loop_->AddBusy(-1); }, header);
+    }
+  });
 }
 
 ucs_status_t ClientPlane::OnReadStatus(

@@ -12,8 +12,10 @@
 //  * Every active message carries the token the node issued for that lease
 //    through the control plane, and UCP_AM_SEND_FLAG_REPLY so that the node
 //    can tell which connection sent it.
-//  * A Read owns the registration of its destination region: the remote
-//    key sent to the node is valid exactly as long as the Read lives.
+//  * A Read holds its destination region (shared with the caller when the
+//    region is a long-lived buffer): the region stays registered at least
+//    as long as the Read lives. The node destroys the remote key it
+//    unpacked when that read ends.
 #ifndef KVCACHE_CLIENT_UCX_CLIENT_PLANE_H_
 #define KVCACHE_CLIENT_UCX_CLIENT_PLANE_H_
 
@@ -74,11 +76,18 @@ class ClientPlane {
   // (one address per block, inside `region`). per_layer: the node reports
   // each layer as it lands. The Read keeps `region` registered until it is
   // destroyed.
+  // buffer_id: 0 when `region` is registered for this read only; else the
+  // id of the long-lived buffer it is (the node may keep its key until
+  // ReleaseBuffer).
   absl::StatusOr<std::unique_ptr<Read>> StartRead(
       const NodeAddress& address, uint64_t read_id, const Token& token,
-      std::unique_ptr<MemoryRegion> region,
+      std::shared_ptr<MemoryRegion> region,
       const std::vector<uint64_t>& destinations, uint32_t num_layers,
-      bool per_layer);
+      bool per_layer, uint64_t buffer_id = 0);
+
+  // Tells every connected node to drop the key it kept for `buffer_id`
+  // (best effort; a connection's end drops it too). Does not wait.
+  void ReleaseBuffer(uint64_t buffer_id);
 
  private:
   struct Connection;
@@ -131,7 +140,7 @@ class ClientPlane::Read {
  private:
   friend class ClientPlane;
   Read(ClientPlane* plane, std::string address,
-       std::shared_ptr<ReadState> state, std::unique_ptr<MemoryRegion> region,
+       std::shared_ptr<ReadState> state, std::shared_ptr<MemoryRegion> region,
        uint32_t num_layers)
       : plane_(plane),
         address_(std::move(address)),
@@ -142,7 +151,7 @@ class ClientPlane::Read {
   ClientPlane* plane_;
   std::string address_;
   std::shared_ptr<ReadState> state_;
-  std::unique_ptr<MemoryRegion> region_;
+  std::shared_ptr<MemoryRegion> region_;
   uint32_t num_layers_;
 };
 

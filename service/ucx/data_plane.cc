@@ -15,6 +15,9 @@
 namespace kvcache::ucx {
 namespace {
 
+// Long-lived client buffer keys kept per connection (ReadStartHeader).
+constexpr size_t kMaxBufferKeys = 64;
+
 bool IsWildcardHost(absl::string_view host) {
   return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]";
 }
@@ -72,6 +75,14 @@ struct DataPlane::Connection {
   std::string peer;
   absl::Time accepted;
   bool authenticated = false;
+  // Remote keys of the client's long-lived buffers (ReadStartHeader::
+  // buffer_id), kept for later reads until kAmReleaseBuffer or the end of
+  // the connection; at most kMaxBufferKeys.
+  struct BufferKey {
+    std::string packed;
+    std::shared_ptr<RemoteKey> key;
+  };
+  absl::flat_hash_map<uint64_t, BufferKey> buffer_keys;
 
   Endpoint& out() { return put_ep != nullptr ? *put_ep : *ep; }
 };
@@ -107,7 +118,7 @@ struct DataPlane::ReadSession {
   State state = State::kWaiting;  // guarded by DataPlane::mu_
   uint64_t conn_id = 0;           // guarded by DataPlane::mu_
   // Loop thread only, while transferring.
-  std::unique_ptr<RemoteKey> rkey;
+  std::shared_ptr<RemoteKey> rkey;
   uint32_t outstanding = 0;  // puts, flushes and status sends in flight
   uint32_t layers_done = 0;
   absl::Status error;
@@ -152,7 +163,8 @@ absl::Status DataPlane::Listen() {
     const ucp_worker_h worker = loop_->worker().get();
     for (auto [id, cb] : {std::pair<unsigned, ucp_am_recv_callback_t>{
                               kAmWriteBlock, &DataPlane::OnWriteBlock},
-                          {kAmReadStart, &DataPlane::OnReadStart}}) {
+                          {kAmReadStart, &DataPlane::OnReadStart},
+                          {kAmReleaseBuffer, &DataPlane::OnReleaseBuffer}}) {
       ucp_am_handler_param_t param;
       std::memset(&param, 0, sizeof(param));
       param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
@@ -251,6 +263,7 @@ DataPlaneStats DataPlane::Stats() const {
   s.staging_cached_bytes = budget_->cached();
   s.connections = connection_count_.load();
   s.rejected_connections = rejected_connections_.load();
+  s.buffer_keys = buffer_key_count_.load();
   std::lock_guard<std::mutex> lock(mu_);
   s.write_sessions = static_cast<uint32_t>(writes_.size());
   s.read_sessions = static_cast<uint32_t>(reads_.size());
@@ -274,8 +287,8 @@ std::vector<std::vector<uint64_t>> DataPlane::LayerEnds(
                  : EncodedLayerBytes(shape, policy, l);
       ends.push_back(end);
     }
-    if (ends.empty() || ends.back() != block.data.size()) {
-      ends = {block.data.size()};  // layers not separable: one slice
+    if (ends.empty() || ends.back() != block.size()) {
+      ends = {block.size()};  // layers not separable: one slice
     }
     all.push_back(std::move(ends));
   }
@@ -619,6 +632,33 @@ ucs_status_t DataPlane::OnReadStart(void* arg, const void* header,
   return UCS_OK;
 }
 
+ucs_status_t DataPlane::OnReleaseBuffer(
+    void* arg, const void* header, size_t header_length, void* data,
+    size_t length, const ucp_am_recv_param_t* param) noexcept {
+  auto* self = static_cast<DataPlane*>(arg);
+  Connection* conn = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
+                         ? self->FindConnection(param->reply_ep)
+                         : nullptr;
+  if (conn == nullptr) return UCS_OK;
+  absl::StatusOr<ReleaseBufferHeader> h = DecodeReleaseBuffer(
+      absl::string_view(static_cast<const char*>(header), header_length));
+  if (!h.ok() || length != 0 ||
+      (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+    self->CloseConnection(conn->id, "malformed buffer release");
+    return UCS_OK;
+  }
+  // The key is destroyed outside the callback (reads in progress hold it).
+  const uint64_t conn_id = conn->id;
+  self->loop_->Post([self, conn_id, id = h->buffer_id] {
+    auto it = self->connections_.find(conn_id);
+    if (it != self->connections_.end() &&
+        it->second->buffer_keys.erase(id) > 0) {
+      self->buffer_key_count_.fetch_sub(1);
+    }
+  });
+  return UCS_OK;
+}
+
 void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
                                 absl::string_view data) {
   absl::StatusOr<ReadStartHeader> h = DecodeReadStart(header);
@@ -677,13 +717,27 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
     conn->put_ep = *std::move(put_ep);
     connection_by_ep_[conn->put_ep->get()] = conn->id;
   }
-  absl::StatusOr<std::unique_ptr<RemoteKey>> rkey =
-      RemoteKey::Unpack(conn->out(), data.substr(0, h->rkey_length));
-  if (!rkey.ok()) {
-    FinishRead(session, rkey.status());
-    return;
+  const absl::string_view packed = data.substr(0, h->rkey_length);
+  auto kept = h->buffer_id == 0 ? conn->buffer_keys.end()
+                                : conn->buffer_keys.find(h->buffer_id);
+  if (kept != conn->buffer_keys.end() && kept->second.packed == packed) {
+    // A long-lived buffer's key: unpacking it again would map the client's
+    // segment again (on shared memory, a fault per page touched).
+    session->rkey = kept->second.key;
+  } else {
+    absl::StatusOr<std::unique_ptr<RemoteKey>> rkey =
+        RemoteKey::Unpack(conn->out(), packed);
+    if (!rkey.ok()) {
+      FinishRead(session, rkey.status());
+      return;
+    }
+    session->rkey = *std::move(rkey);
+    if (h->buffer_id != 0 && (kept != conn->buffer_keys.end() ||
+                              conn->buffer_keys.size() < kMaxBufferKeys)) {
+      if (kept == conn->buffer_keys.end()) buffer_key_count_.fetch_add(1);
+      conn->buffer_keys[h->buffer_id] = {std::string(packed), session->rkey};
+    }
   }
-  session->rkey = *std::move(rkey);
   std::vector<uint64_t> remote(blocks);
   for (size_t i = 0; i < blocks; ++i) {
     remote[i] = LoadLe64(data.data() + h->rkey_length + 8 * i);
@@ -708,31 +762,46 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
     if (!status.ok() && session->error.ok()) session->error = status;
     ReleaseIfIdle(*session);
   };
+  auto put = [&](const uint8_t* src, uint64_t length, uint64_t dst) {
+    ++session->outstanding;
+    loop_->AddBusy(1);
+    Operation::Start(
+        Operation::Kind::kSend,
+        [ep, rkey, src, length, dst](const ucp_request_param_t& param,
+                                     absl::string_view) {
+          return ucp_put_nbx(ep, src, length, dst, rkey, &param);
+        },
+        track);
+  };
   for (uint32_t slice = 0; slice < slices; ++slice) {
     for (size_t b = 0; b < session->result.blocks.size(); ++b) {
-      const std::string& bytes = session->result.blocks[b].data;
+      const store::ReadBlock& block = session->result.blocks[b];
+      const uint64_t size = block.size();
       const std::vector<uint64_t>& ends = session->layer_ends[b];
       uint64_t start = 0;
-      uint64_t end = bytes.size();
+      uint64_t end = size;
       if (per_layer && ends.size() == num_layers) {
         start = slice == 0 ? 0 : ends[slice - 1];
         end = ends[slice];
       } else if (slice > 0) {
         continue;  // sent whole with slice 0
       }
-      if (end <= start || end > bytes.size()) continue;
-      const char* src = bytes.data() + start;
-      const uint64_t length = end - start;
-      const uint64_t dst = remote[b] + start;
-      ++session->outstanding;
-      loop_->AddBusy(1);
-      Operation::Start(
-          Operation::Kind::kSend,
-          [ep, rkey, src, length, dst](const ucp_request_param_t& param,
-                                       absl::string_view) {
-            return ucp_put_nbx(ep, src, length, dst, rkey, &param);
-          },
-          track);
+      if (end <= start || end > size) continue;
+      if (block.spans.empty()) {
+        put(reinterpret_cast<const uint8_t*>(block.data.data()) + start,
+            end - start, remote[b] + start);
+        continue;
+      }
+      // In place: the slice may cross page runs; one put per piece, straight
+      // from the pinned arena pages.
+      uint64_t at = 0;
+      for (absl::Span<const uint8_t> span : block.spans) {
+        const uint64_t lo = std::max(start, at);
+        const uint64_t hi = std::min(end, at + span.size());
+        if (lo < hi) put(span.data() + (lo - at), hi - lo, remote[b] + lo);
+        at += span.size();
+        if (at >= end) break;
+      }
     }
     // The flush completes once every put issued so far is in the client's
     // memory; then the client hears that these layers are there.
@@ -814,7 +883,7 @@ void DataPlane::FinishRead(const std::shared_ptr<ReadSession>& session,
   } else if (observer_) {
     uint64_t bytes = 0;
     for (const store::ReadBlock& b : session->result.blocks) {
-      bytes += b.data.size();
+      bytes += b.size();
     }
     observer_(/*inbound=*/false, bytes);
   }
@@ -903,6 +972,9 @@ void DataPlane::CloseConnection(uint64_t conn_id, const char* why) {
     }
     std::unique_ptr<Connection> conn = std::move(it->second);
     connections_.erase(it);
+    buffer_key_count_.fetch_sub(
+        static_cast<uint32_t>(conn->buffer_keys.size()));
+    conn->buffer_keys.clear();  // before its endpoints
     connection_by_ep_.erase(conn->ep->get());
     if (conn->put_ep != nullptr) {
       connection_by_ep_.erase(conn->put_ep->get());

@@ -14,14 +14,26 @@
 //    when the commit ends, when the write is aborted, when its connection
 //    fails, or when its lease expires.
 //  * Read: BeginRead (gRPC, inline_data = false) reserves staging for the
-//    verified copies Store::BeginRead makes (keep_lease = true) and, through
-//    OpenRead, returns the address and a token. The client registers its
+//    worst case, then Store::BeginRead (keep_lease, in_place) pins the
+//    blocks and verifies them: on a host arena a block whose answer is its
+//    stored bytes stays where it lies and is put straight from the pinned
+//    pages; only decoded blocks (and every block of a device arena) are
+//    copies, and only they keep their staging. OpenRead returns the
+//    address and a token. The client registers its
 //    destination memory and sends ReadStart with the packed remote key and
 //    one address per block; the node puts the blocks there (layer by layer
 //    when asked), flushes, and reports each layer with ReadStatus. When the
 //    read ends (done, failed, or expired) the node destroys the remote key,
 //    ends the store lease and frees the copies. The node never packs a
-//    remote key of its own memory.
+//    remote key of its own memory. The one exception to "one key, one
+//    read": a key that the client marks as covering a long-lived buffer
+//    (kvcache::DataBuffer, ReadStartHeader::buffer_id) is kept for later
+//    reads into that buffer on the same connection, until the client
+//    releases the buffer (kAmReleaseBuffer) or the connection ends, at most
+//    kMaxBufferKeys per connection. Unpacking a key maps the client's
+//    segment on shared memory, a page fault per page on first touch; doing
+//    that for every read cost 5x the read's throughput. Puts into it still
+//    happen only for reads whose token the client presented.
 //
 // Invariants:
 //  * Staging bytes (write buffers and read copies) never exceed
@@ -90,6 +102,7 @@ struct DataPlaneStats {
   uint32_t write_sessions = 0;
   uint32_t read_sessions = 0;
   uint64_t rejected_connections = 0;
+  uint32_t buffer_keys = 0;  // kept for clients' long-lived buffers
 };
 
 class DataPlane {
@@ -177,6 +190,9 @@ class DataPlane {
                                    size_t header_length, void* data,
                                    size_t length,
                                    const ucp_am_recv_param_t* param) noexcept;
+  static ucs_status_t OnReleaseBuffer(
+      void* arg, const void* header, size_t header_length, void* data,
+      size_t length, const ucp_am_recv_param_t* param) noexcept;
   static ucs_status_t OnReadStart(void* arg, const void* header,
                                   size_t header_length, void* data,
                                   size_t length,
@@ -238,6 +254,7 @@ class DataPlane {
   absl::Time drain_deadline_ = absl::InfiniteFuture();  // guarded by mu_
   bool stopped_ = false;                                // guarded by mu_
   std::atomic<uint32_t> connection_count_{0};
+  std::atomic<uint32_t> buffer_key_count_{0};
   std::atomic<uint64_t> rejected_connections_{0};
 };
 

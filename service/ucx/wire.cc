@@ -62,7 +62,8 @@ class Reader {
 
 constexpr size_t kPrefixBytes = 8;
 constexpr size_t kWriteBlockBytes = kPrefixBytes + 8 + 16 + 4 + 8;
-constexpr size_t kReadStartBytes = kPrefixBytes + 8 + 16 + 4 + 4 + 4 + 1;
+constexpr size_t kReadStartBytes = kPrefixBytes + 8 + 16 + 4 + 4 + 4 + 1 + 8;
+constexpr size_t kReleaseBufferBytes = kPrefixBytes + 8;
 constexpr size_t kReadStatusBytes = kPrefixBytes + 8 + 16 + 4 + 4 + 4;
 
 absl::Status CheckPrefix(absl::string_view bytes, size_t want, unsigned kind,
@@ -136,6 +137,13 @@ std::string Encode(const ReadStartHeader& h) {
   w.U32(h.rkey_length);
   w.U32(h.client_address_length);
   w.U8(h.per_layer);
+  w.U64(h.buffer_id);
+  return w.Take();
+}
+
+std::string Encode(const ReleaseBufferHeader& h) {
+  Writer w(kAmReleaseBuffer);
+  w.U64(h.buffer_id);
   return w.Take();
 }
 
@@ -176,6 +184,20 @@ absl::StatusOr<ReadStartHeader> DecodeReadStart(absl::string_view bytes) {
   h.rkey_length = r.U32();
   h.client_address_length = r.U32();
   h.per_layer = r.U8();
+  h.buffer_id = r.U64();
+  return h;
+}
+
+absl::StatusOr<ReleaseBufferHeader> DecodeReleaseBuffer(
+    absl::string_view bytes) {
+  Reader r(bytes);
+  if (absl::Status s =
+          CheckPrefix(bytes, kReleaseBufferBytes, kAmReleaseBuffer, &r);
+      !s.ok()) {
+    return s;
+  }
+  ReleaseBufferHeader h;
+  h.buffer_id = r.U64();
   return h;
 }
 

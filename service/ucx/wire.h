@@ -14,6 +14,9 @@
 //                  the client's own worker address (the node puts through
 //                  an endpoint of its own to it when the client connected
 //                  to the node's worker address rather than its listener).
+//   kAmReleaseBuffer client -> node  header ReleaseBufferHeader: the client
+//                  freed its long-lived buffer `buffer_id`; the node drops
+//                  the remote key it kept for it on this connection.
 //   kAmReadStatus  node -> client  header ReadStatusHeader (with the read's
 //                  token, which names the read on the client), data = an
 //                  error message when `code` is not 0. Sent after each
@@ -42,9 +45,10 @@ namespace kvcache::ucx {
 inline constexpr unsigned kAmWriteBlock = 0x4b01;
 inline constexpr unsigned kAmReadStart = 0x4b02;
 inline constexpr unsigned kAmReadStatus = 0x4b03;
+inline constexpr unsigned kAmReleaseBuffer = 0x4b04;
 
 inline constexpr uint32_t kWireMagic = 0x5855564b;  // "KVUX"
-inline constexpr uint8_t kWireVersion = 1;
+inline constexpr uint8_t kWireVersion = 2;
 
 using Token = std::array<uint8_t, 16>;
 
@@ -71,6 +75,16 @@ struct ReadStartHeader {
   uint32_t client_address_length = 0;
   // 1: put layer by layer and report each layer; 0: whole blocks, one report.
   uint8_t per_layer = 0;
+  // 0: the remote key is for this read only, and the node destroys it when
+  // the read ends. Otherwise the id (unique within the client process) of
+  // a long-lived client buffer the key covers: the node may keep the
+  // unpacked key for later reads into the same buffer on this connection,
+  // until kAmReleaseBuffer names it or the connection ends.
+  uint64_t buffer_id = 0;
+};
+
+struct ReleaseBufferHeader {
+  uint64_t buffer_id = 0;
 };
 
 struct ReadStatusHeader {
@@ -84,10 +98,13 @@ struct ReadStatusHeader {
 std::string Encode(const WriteBlockHeader& h);
 std::string Encode(const ReadStartHeader& h);
 std::string Encode(const ReadStatusHeader& h);
+std::string Encode(const ReleaseBufferHeader& h);
 // INVALID_ARGUMENT for a header of the wrong size, magic or version.
 absl::StatusOr<WriteBlockHeader> DecodeWriteBlock(absl::string_view bytes);
 absl::StatusOr<ReadStartHeader> DecodeReadStart(absl::string_view bytes);
 absl::StatusOr<ReadStatusHeader> DecodeReadStatus(absl::string_view bytes);
+absl::StatusOr<ReleaseBufferHeader> DecodeReleaseBuffer(
+    absl::string_view bytes);
 
 }  // namespace kvcache::ucx
 

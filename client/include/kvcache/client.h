@@ -189,6 +189,33 @@ std::optional<int> RetryAfterMs(const absl::Status& status);
 absl::Status DecodeRaw(const GetResult& result, const BlockData& block,
                        absl::Span<uint16_t> fp16_out);
 
+// Memory for GetInto that the data plane reaches without registering it on
+// every read: allocated by UCX (shared memory where a transport offers it,
+// so a node on the same host copies straight into it) and registered once,
+// for the buffer's lifetime. A GetInto whose destination lies inside a
+// DataBuffer of the same Client uses it as is; any other memory is
+// registered for that read only. Without a data plane (gRPC only) it is
+// plain memory. A DataBuffer must not outlive the Client that allocated it;
+// reads in progress keep its registration alive until they end.
+class DataBuffer {
+ public:
+  struct Impl;
+  explicit DataBuffer(std::unique_ptr<Impl> impl);
+  ~DataBuffer();
+  DataBuffer(const DataBuffer&) = delete;
+  DataBuffer& operator=(const DataBuffer&) = delete;
+
+  absl::Span<uint8_t> span() const;
+  uint8_t* data() const { return span().data(); }
+  size_t size() const { return span().size(); }
+  // True when the data plane can put into it without a per-read
+  // registration.
+  bool registered() const;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
 class Client {
  public:
   // Creates a channel to options.target; does not wait for the node.
@@ -231,6 +258,11 @@ class Client {
       const std::string& ns, const std::vector<std::string>& keys,
       ReadFormat format, absl::Span<uint8_t> dest, size_t stride,
       uint64_t pin_lease = 0);
+
+  // A buffer of `bytes` (> 0) for GetInto destinations (see DataBuffer).
+  // Falls back to plain memory when this client has no data plane;
+  // INVALID_ARGUMENT for 0 bytes.
+  absl::StatusOr<std::unique_ptr<DataBuffer>> AllocateBuffer(size_t bytes);
 
   // Ends a Lookup pin without reading.
   absl::Status Release(uint64_t pin_lease);
