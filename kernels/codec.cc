@@ -143,8 +143,14 @@ absl::Status EncodeWith(const BlockShape& shape, const CodecPolicy& policy,
   std::vector<uint16_t> head_max(fp8_dynamic ? shape.num_kv_heads : 0);
   const uint16_t* src = in.data();
   uint8_t* dst = out.data();
-  for (Section s : plan.sections()) {
+  const std::vector<Section>& sections = plan.sections();
+  for (size_t i = 0; i < sections.size(); ++i) {
+    Section s = sections[i];
     const size_t n = s.elements();
+    if (i + 1 < sections.size()) {
+      s.next_input = src + n;
+      s.next_elements = sections[i + 1].elements();
+    }
     bool finite;
     if (fp8_dynamic && s.codec != Codec::kNone) {
       internal::HeadAbsMaxSimd(s, src, head_max.data());

@@ -24,6 +24,11 @@ struct Section {
   // (bits & 0x7FFF) of the section's values, already computed by the caller.
   // The reference ignores it.
   const uint16_t* head_abs_max = nullptr;
+  // Optional (SIMD path): the input of the section encoded next, which the
+  // encoder prefetches while it computes, so that the next section's first
+  // pass reads from cache instead of waiting on memory.
+  const uint16_t* next_input = nullptr;
+  size_t next_elements = 0;
 
   size_t elements() const { return static_cast<size_t>(tokens) * heads * dim; }
 };
