@@ -8,6 +8,7 @@
 // mid-transfer leaves no lease, pin or staging byte behind after the lease
 // TTL. The killed client is this binary, re-executed in child mode.
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -514,9 +515,18 @@ constexpr char kChildFlag[] = "--ucx-child";
 
 // Runs this binary as a client that puts (or gets) large blocks in a loop
 // until it is killed.
+// In a freshly forked child: die with the test process, so that a failed
+// or killed test never leaves a spinning child behind.
+void DieWithParent(pid_t parent) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != parent) _exit(1);  // the parent died before prctl
+}
+
 pid_t SpawnChild(const std::string& mode, const std::string& target) {
+  const pid_t parent = getpid();
   pid_t pid = fork();
   if (pid == 0) {
+    DieWithParent(parent);
     std::string self = "/proc/self/exe";
     execl(self.c_str(), self.c_str(), kChildFlag, mode.c_str(), target.c_str(),
           static_cast<char*>(nullptr));
@@ -568,8 +578,10 @@ TEST_P(UcxTest, NodeKilledMidTransferFailsCallsWithinTheirDeadline) {
   node_.reset();
   int fds[2];
   ASSERT_EQ(pipe(fds), 0);
+  const pid_t parent = getpid();
   pid_t node = fork();
   if (node == 0) {
+    DieWithParent(parent);
     dup2(fds[1], 1);
     close(fds[0]);
     execl("/proc/self/exe", "/proc/self/exe", kChildFlag, "node", "-",
