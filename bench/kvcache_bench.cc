@@ -65,6 +65,7 @@ struct Config {
   bool warmup = true;
   bool get_copy = false;  // Client::Get (copies out) instead of GetInto
   bool get_heap = false;  // GetInto heap memory (registered per read)
+  bool run_get = true, run_put = true;  // --ops
 };
 
 std::string Usage() {
@@ -82,6 +83,8 @@ std::string Usage() {
   --put-codec=CODEC   codec of the put namespace (default fp8_e4m3)
   --no-perftest       skip ucx_perftest
   --no-warmup         skip writing through the arena once before measuring
+  --ops=LIST          get,put (default both); e.g. --ops=put to profile
+                      one path
   --get-api=API       into (default): Client::GetInto into a DataBuffer
                       (Client::AllocateBuffer: UCX memory, registered
                       once); heap: Client::GetInto into heap memory,
@@ -148,6 +151,17 @@ absl::StatusOr<Config> ParseArgs(int argc, char** argv) {
       c.perftest = false;
     } else if (name == "--no-warmup") {
       c.warmup = false;
+    } else if (name == "--ops") {
+      c.run_get = c.run_put = false;
+      for (absl::string_view op : absl::StrSplit(value, ',')) {
+        if (op == "get") {
+          c.run_get = true;
+        } else if (op == "put") {
+          c.run_put = true;
+        } else {
+          return absl::InvalidArgumentError("--ops: get and/or put");
+        }
+      }
     } else if (name == "--get-api") {
       if (value != "into" && value != "heap" && value != "copy") {
         return absl::InvalidArgumentError("--get-api: into, heap or copy");
@@ -508,48 +522,55 @@ int Run(const Config& config) {
                      std::string(again.status().message()).c_str());
         return 1;
       }
-      Summary get = Repeat(config.runs, [&] {
-        return Measure(streams, config.seconds,
-                       [&](int s, uint64_t) -> absl::StatusOr<uint64_t> {
-                         if (config.get_copy) {
-                           auto got =
-                               (*client)->Get(get_spec.name, get_keys,
-                                              kvcache::ReadFormat::kFp16);
-                           if (!got.ok()) return got.status();
+      Summary get;
+      if (config.run_get)
+        get = Repeat(config.runs, [&] {
+          return Measure(streams, config.seconds,
+                         [&](int s, uint64_t) -> absl::StatusOr<uint64_t> {
+                           if (config.get_copy) {
+                             auto got =
+                                 (*client)->Get(get_spec.name, get_keys,
+                                                kvcache::ReadFormat::kFp16);
+                             if (!got.ok()) return got.status();
+                             return static_cast<uint64_t>(batch) * size;
+                           }
+                           auto read = (*client)->GetInto(
+                               get_spec.name, get_keys,
+                               kvcache::ReadFormat::kFp16, dest[s], size);
+                           if (!read.ok()) return read.status();
+                           if (absl::Status w = (*read)->Wait(); !w.ok()) {
+                             return w;
+                           }
                            return static_cast<uint64_t>(batch) * size;
-                         }
-                         auto read = (*client)->GetInto(
-                             get_spec.name, get_keys,
-                             kvcache::ReadFormat::kFp16, dest[s], size);
-                         if (!read.ok()) return read.status();
-                         if (absl::Status w = (*read)->Wait(); !w.ok()) {
-                           return w;
-                         }
-                         return static_cast<uint64_t>(batch) * size;
-                       });
-      });
+                         });
+        });
       std::atomic<uint64_t> put_serial{0};
-      Summary put = Repeat(config.runs, [&] {
-        return Measure(streams, config.seconds,
-                       [&](int s, uint64_t) -> absl::StatusOr<uint64_t> {
-                         uint64_t id = put_serial.fetch_add(1);
-                         std::vector<std::string> keys;
-                         std::vector<kvcache::BlockWrite> writes;
-                         for (int i = 0; i < batch; ++i) {
-                           keys.push_back(absl::StrCat("put-", id, "-", i));
-                         }
-                         for (int i = 0; i < batch; ++i) {
-                           writes.push_back({keys[i], "", source[i]});
-                         }
-                         auto r = (*client)->Put(put_spec.name, writes);
-                         if (!r.ok()) return r.status();
-                         return static_cast<uint64_t>(batch) * size;
-                       });
-      });
+      Summary put;
+      if (config.run_put)
+        put = Repeat(config.runs, [&] {
+          return Measure(streams, config.seconds,
+                         [&](int s, uint64_t) -> absl::StatusOr<uint64_t> {
+                           uint64_t id = put_serial.fetch_add(1);
+                           std::vector<std::string> keys;
+                           std::vector<kvcache::BlockWrite> writes;
+                           for (int i = 0; i < batch; ++i) {
+                             keys.push_back(absl::StrCat("put-", id, "-", i));
+                           }
+                           for (int i = 0; i < batch; ++i) {
+                             writes.push_back({keys[i], "", source[i]});
+                           }
+                           auto r = (*client)->Put(put_spec.name, writes);
+                           if (!r.ok()) return r.status();
+                           return static_cast<uint64_t>(batch) * size;
+                         });
+        });
       for (const auto& [op, summary, perf] :
            {std::tuple<const char*, const Summary&, double>{"get", get,
                                                             perf_put},
             {"put", put, perf_am}}) {
+        if (std::string(op) == "get" ? !config.run_get : !config.run_put) {
+          continue;
+        }
         if (!summary.median.status.ok()) {
           std::fprintf(stderr, "%s failed: %s\n", op,
                        std::string(summary.median.status.message()).c_str());

@@ -50,6 +50,8 @@ class Arena {
   // The region's first byte when this process can address it (host
   // memory), else nullptr. Lets readers use stored bytes in place.
   virtual const uint8_t* host_base() const { return nullptr; }
+  // The same, writable: for writers that fill pages they own in place.
+  virtual uint8_t* mutable_host_base() { return nullptr; }
 };
 
 // Creates the arena named by spec, or explains why it cannot.

@@ -897,7 +897,27 @@ absl::Status Store::EncodeToPages(const Namespace& ns, absl::string_view key,
   const kernels::BlockShape& shape = info.config.shape;
   const kernels::CodecPolicy& policy =
       residual ? ns.residual_policy : info.config.policy;
-  scratch->resize(residual ? info.fp16_block_bytes : info.encoded_block_bytes);
+  const size_t payload_bytes =
+      residual ? info.fp16_block_bytes : info.encoded_block_bytes;
+  // On a host arena, a block whose pages are one run is encoded straight
+  // into them; otherwise into scratch, then scattered over the runs.
+  absl::Span<uint8_t> out;
+  if (uint8_t* base = arena_->mutable_host_base(); base != nullptr) {
+    int runs = 0;
+    uint64_t first_offset = 0;
+    pool_
+        .ForEachRun(pages, payload_bytes,
+                    [&](uint64_t offset, size_t, size_t) {
+                      if (runs++ == 0) first_offset = offset;
+                      return absl::OkStatus();
+                    })
+        .IgnoreError();
+    if (runs == 1) out = absl::MakeSpan(base + first_offset, payload_bytes);
+  }
+  if (out.empty()) {
+    scratch->resize(payload_bytes);
+    out = absl::MakeSpan(*scratch);
+  }
   std::vector<uint16_t> aligned;
   absl::Span<const uint16_t> halves;
   if (reinterpret_cast<uintptr_t>(fp16.data()) % alignof(uint16_t) == 0) {
@@ -909,17 +929,18 @@ absl::Status Store::EncodeToPages(const Namespace& ns, absl::string_view key,
     halves = aligned;
   }
   absl::Time start = absl::Now();
-  absl::Status status =
-      kernels::EncodeBlock(shape, policy, halves, absl::MakeSpan(*scratch));
+  absl::Status status = kernels::EncodeBlock(shape, policy, halves, out);
   if (!status.ok()) return status;
   if (quantize_observer_) {
     quantize_observer_(policy.codec,
                        absl::ToDoubleSeconds(absl::Now() - start));
   }
   BlockHeader header =
-      MakeBlockHeader(shape, policy, info.fingerprint, key, *scratch);
+      MakeBlockHeader(shape, policy, info.fingerprint, key, out);
   status = WriteHeader(pages.first, header);
-  if (status.ok()) status = pool_.Scatter(pages, *scratch);
+  if (status.ok() && out.data() == scratch->data()) {
+    status = pool_.Scatter(pages, *scratch);
+  }
   return status;
 }
 
