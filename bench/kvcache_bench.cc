@@ -66,6 +66,7 @@ struct Config {
   bool get_copy = false;  // Client::Get (copies out) instead of GetInto
   bool get_heap = false;  // GetInto heap memory (registered per read)
   bool run_get = true, run_put = true;  // --ops
+  bool put_heap = false;  // Put from heap memory instead of a DataBuffer
 };
 
 std::string Usage() {
@@ -83,6 +84,8 @@ std::string Usage() {
   --put-codec=CODEC   codec of the put namespace (default fp8_e4m3)
   --no-perftest       skip ucx_perftest
   --no-warmup         skip writing through the arena once before measuring
+  --put-source=SRC    buffer (default): Put from a DataBuffer
+                      (Client::AllocateBuffer); heap: from heap memory
   --ops=LIST          get,put (default both); e.g. --ops=put to profile
                       one path
   --get-api=API       into (default): Client::GetInto into a DataBuffer
@@ -151,6 +154,11 @@ absl::StatusOr<Config> ParseArgs(int argc, char** argv) {
       c.perftest = false;
     } else if (name == "--no-warmup") {
       c.warmup = false;
+    } else if (name == "--put-source") {
+      if (value != "buffer" && value != "heap") {
+        return absl::InvalidArgumentError("--put-source: buffer or heap");
+      }
+      c.put_heap = value == "heap";
     } else if (name == "--ops") {
       c.run_get = c.run_put = false;
       for (absl::string_view op : absl::StrSplit(value, ',')) {
@@ -416,9 +424,32 @@ int Run(const Config& config) {
         return 1;
       }
     }
-    // Source data (shared, read-only) and the blocks gets read.
-    std::vector<std::vector<uint16_t>> source;
-    for (int i = 0; i < batch; ++i) source.push_back(Block(shape, i + 1));
+    // Source data (shared, read-only) and the blocks gets read. Puts send
+    // from a DataBuffer (registered once, like ucx_perftest's buffers)
+    // unless --put-source=heap.
+    std::vector<std::vector<uint16_t>> source_heap;
+    std::unique_ptr<kvcache::DataBuffer> source_buffer;
+    std::vector<absl::Span<const uint16_t>> source;
+    for (int i = 0; i < batch; ++i) source_heap.push_back(Block(shape, i + 1));
+    if (!config.put_heap) {
+      auto buffer =
+          (*client)->AllocateBuffer(static_cast<size_t>(batch) * size);
+      if (!buffer.ok()) {
+        std::fprintf(stderr, "AllocateBuffer: %s\n",
+                     std::string(buffer.status().message()).c_str());
+        return 1;
+      }
+      source_buffer = *std::move(buffer);
+    }
+    for (int i = 0; i < batch; ++i) {
+      if (source_buffer == nullptr) {
+        source.push_back(source_heap[i]);
+        continue;
+      }
+      auto* at = reinterpret_cast<uint16_t*>(source_buffer->data() + i * size);
+      std::memcpy(at, source_heap[i].data(), size);
+      source.push_back(absl::MakeConstSpan(at, size / 2));
+    }
     std::vector<kvcache::BlockWrite> seed;
     std::vector<std::string> get_keys;
     for (int i = 0; i < batch; ++i) {

@@ -416,13 +416,24 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
     if (begin_response.has_data_plane() &&
         !begin_response.data_plane().ucx_address().empty()) {
       std::vector<ucx::ClientPlane::Block> sends;
+      // Blocks that lie in a DataBuffer go with its registration (held for
+      // the sends).
+      std::vector<std::shared_ptr<ucx::MemoryRegion>> regions;
       for (size_t i = begin; i < end; ++i) {
         if (present(i - begin)) continue;
-        sends.push_back(
-            {static_cast<uint32_t>(i - begin),
-             absl::MakeConstSpan(
-                 reinterpret_cast<const uint8_t*>(blocks[i].fp16.data()),
-                 blocks[i].fp16.size() * sizeof(uint16_t))});
+        const auto* data =
+            reinterpret_cast<const uint8_t*>(blocks[i].fp16.data());
+        const size_t size = blocks[i].fp16.size() * sizeof(uint16_t);
+        uint64_t buffer_id = 0;
+        std::shared_ptr<ucx::MemoryRegion> region =
+            impl_->BufferHolding(data, size, &buffer_id);
+        ucp_mem_h memh = nullptr;
+        if (region != nullptr) {
+          memh = region->memh();
+          regions.push_back(std::move(region));
+        }
+        sends.push_back({static_cast<uint32_t>(i - begin),
+                         absl::MakeConstSpan(data, size), memh});
       }
       absl::Status st = [&]() -> absl::Status {
         absl::StatusOr<ucx::ClientPlane*> ucx_plane = impl_->Plane();

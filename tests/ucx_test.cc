@@ -343,6 +343,28 @@ TEST_P(UcxTest, DataBuffersKeepTheirKeyAcrossReadsUntilReleased) {
   ASSERT_TRUE((*read)->Wait().ok());
   EXPECT_EQ(std::memcmp(heap.data(), data_[0].data(), stride), 0);
   EXPECT_EQ(node_->data_plane()->Stats().buffer_keys, 0u);
+  // Puts from a buffer send from its registration: the bytes arrive intact.
+  {
+    auto source = client_->AllocateBuffer(2 * stride);
+    ASSERT_TRUE(source.ok()) << source.status();
+    std::vector<BlockWrite> writes;
+    for (int i = 0; i < 2; ++i) {
+      std::vector<uint16_t> block = RandomBlock(shape, 500 + i);
+      auto* at = reinterpret_cast<uint16_t*>((*source)->data() + i * stride);
+      std::memcpy(at, block.data(), stride);
+      writes.push_back({Key(500 + i), "", absl::MakeConstSpan(at, stride / 2)});
+    }
+    auto put = client_->Put("buffers", writes);
+    ASSERT_TRUE(put.ok()) << put.status();
+    EXPECT_EQ(put->stored, 2u);
+    auto back = grpc_client_->Get("buffers", Keys(500, 2), ReadFormat::kFp16);
+    ASSERT_TRUE(back.ok()) << back.status();
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(std::memcmp(back->blocks[i].bytes.data(),
+                            (*source)->data() + i * stride, stride),
+                0);
+    }
+  }
   // A client without a data plane hands out plain memory.
   auto plain = grpc_client_->AllocateBuffer(stride);
   ASSERT_TRUE(plain.ok());

@@ -263,14 +263,19 @@ absl::Status ClientPlane::SendBlocks(const NodeAddress& address,
           h.length = block.bytes.size();
           const uint8_t* data = block.bytes.data();
           const size_t length = block.bytes.size();
+          const ucp_mem_h memh = block.memh;
           loop_->AddBusy(1);
           Operation::Start(
               Operation::Kind::kSend,
-              [ep, data, length](const ucp_request_param_t& param,
-                                 absl::string_view header) {
+              [ep, data, length, memh](const ucp_request_param_t& param,
+                                       absl::string_view header) {
                 ucp_request_param_t p = param;
                 p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
                 p.flags = UCP_AM_SEND_FLAG_REPLY;
+                if (memh != nullptr) {
+                  p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+                  p.memh = memh;
+                }
                 if (length >= kRendezvousBytes)
                   p.flags |= UCP_AM_SEND_FLAG_RNDV;
                 return ucp_am_send_nbx(ep, kAmWriteBlock, header.data(),

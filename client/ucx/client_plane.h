@@ -57,6 +57,10 @@ class ClientPlane {
   struct Block {
     uint32_t index;  // in the write's BeginWrite list
     absl::Span<const uint8_t> bytes;
+    // The registration covering `bytes` (a long-lived buffer), or null. With
+    // it, a rendezvous send lets the node take the bytes straight from the
+    // registered memory (on shared memory: one copy instead of two).
+    ucp_mem_h memh = nullptr;
   };
   // Sends each block as one active message to the node at `address` and
   // returns when UCX has completed every send (for rendezvous sends: the

@@ -189,14 +189,16 @@ std::optional<int> RetryAfterMs(const absl::Status& status);
 absl::Status DecodeRaw(const GetResult& result, const BlockData& block,
                        absl::Span<uint16_t> fp16_out);
 
-// Memory for GetInto that the data plane reaches without registering it on
-// every read: allocated by UCX (shared memory where a transport offers it,
-// so a node on the same host copies straight into it) and registered once,
-// for the buffer's lifetime. A GetInto whose destination lies inside a
-// DataBuffer of the same Client uses it as is; any other memory is
-// registered for that read only. Without a data plane (gRPC only) it is
-// plain memory. A DataBuffer must not outlive the Client that allocated it;
-// reads in progress keep its registration alive until they end.
+// Memory for GetInto destinations and Put sources that the data plane
+// reaches without registering it per call: allocated by UCX (shared memory
+// where a transport offers it, so a node on the same host copies straight
+// into or out of it) and registered once, for the buffer's lifetime. A
+// GetInto whose destination lies inside a DataBuffer of the same Client
+// uses it as is (any other memory is registered for that read only); a Put
+// whose block lies inside one sends it from the registered memory. Without a
+// data plane (gRPC only) it is plain memory. A DataBuffer must not outlive the
+// Client that allocated it; reads in progress keep its registration alive until
+// they end.
 class DataBuffer {
  public:
   struct Impl;
