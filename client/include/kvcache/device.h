@@ -13,8 +13,10 @@
 //    before Client::Put; reads land in a pinned host staging buffer
 //    (Client::GetInto) and each layer is copied host-to-device as soon as it
 //    has landed.
-//  * Every wait is bounded: the Client's own deadline for the transfer, and
-//    DeviceClientOptions::timeout for the GPU and for DeviceRead's waits.
+//  * Every wait here is bounded: the Client's own deadline for the transfer,
+//    and DeviceClientOptions::timeout for the GPU and for DeviceRead's waits
+//    (events are polled). The one exception is inside the kernel library:
+//    kernels::cuda::DecodeBlocksCuda synchronizes its stream itself.
 //  * Device pointers must be memory of DeviceClientOptions::device (or
 //    managed memory). Layouts are those of client.h: a block is layer-major,
 //    for each layer K then V, each [tokens_per_block][num_kv_heads][head_dim]
