@@ -1109,12 +1109,10 @@ bool Store::Reencode(const ReencodeJob& job) {
 
 // --------------------------------------------------------------------- read
 
-absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
-                                            absl::Span<const std::string> keys,
-                                            ReadFormat format,
-                                            absl::Duration ttl,
-                                            uint64_t pin_lease_id,
-                                            bool keep_lease) {
+absl::StatusOr<ReadResult> Store::BeginRead(
+    const std::string& ns_name, absl::Span<const std::string> keys,
+    ReadFormat format, absl::Duration ttl, uint64_t pin_lease_id,
+    bool keep_lease, bool allow_missing) {
   if (absl::Status s = ValidateKeys(keys, options_.max_blocks_per_request);
       !s.ok()) {
     return s;
@@ -1129,8 +1127,11 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
           "pin lease is unknown or has expired");
     }
   }
+  ReadResult result;
   std::vector<Entry*> entries;
+  std::vector<uint32_t> positions;  // of entries[j] in keys
   entries.reserve(keys.size());
+  positions.reserve(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
     KeyRef ref = MakeKeyRef(ns->id, keys[i]);
     Shard& shard = ShardOf(ref);
@@ -1144,29 +1145,49 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
       }
     }
     if (entry == nullptr) {
+      if (allow_missing) {
+        result.missing.push_back(static_cast<uint32_t>(i));
+        continue;
+      }
       UnpinAll(entries);
       return absl::NotFoundError(absl::StrCat("block ", i, " is not stored"));
     }
     entries.push_back(entry);
+    positions.push_back(static_cast<uint32_t>(i));
   }
   if (pin_lease_id != 0) ReleaseReadLease(pin_lease_id);
 
-  ReadResult result;
+  // Drops a block that failed verification (it stays pinned by this read;
+  // its pages are freed at the last unpin).
+  auto drop = [this](Entry* bad) {
+    ++data_loss_events_;
+    Entry* parent = nullptr;
+    {
+      Shard& shard = shards_[bad->shard];
+      MutexLock lock(&shard.mu);
+      if (!bad->is(kRemoved)) {
+        parent = RemoveEntry(shard, bad);
+        ++evictions_data_loss_;
+      }
+    }
+    UnlinkParent(parent);
+  };
+
   result.ns = ns->info;
   // Pinned pages are immutable and never reused, so they are read unlocked.
   const kernels::BlockShape& shape = ns->info.config.shape;
   std::vector<uint8_t> stored;
   absl::Status status;
-  size_t failed = 0;
-  for (size_t i = 0; i < entries.size() && status.ok(); ++i) {
-    Entry* entry = entries[i];
+  for (size_t j = 0; j < entries.size() && status.ok(); ++j) {
+    Entry* entry = entries[j];
+    const std::string& key = keys[positions[j]];
     const bool residual = entry->is(kResidual);
     const kernels::CodecPolicy& policy =
         residual ? ns->residual_policy : ns->info.config.policy;
     const size_t payload_bytes =
         residual ? ns->info.fp16_block_bytes : ns->info.encoded_block_bytes;
     ReadBlock block;
-    block.key = keys[i];
+    block.key = key;
     block.codec = policy.codec;
     // A raw read gathers straight into the reply; an fp16 read gathers into
     // scratch and decodes into the reply. Either way, one copy of the pages.
@@ -1183,13 +1204,26 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
     status = pool_.Gather(entry->pages, payload);
     if (status.ok()) status = ReadHeader(entry->pages.first, &header);
     if (!status.ok()) break;
-    status = VerifyBlock(header, shape, policy, ns->info.fingerprint, keys[i],
-                         payload);
+    status =
+        VerifyBlock(header, shape, policy, ns->info.fingerprint, key, payload);
     if (!status.ok()) {
-      failed = i;
-      status = absl::DataLossError(absl::StrCat(
-          "block ", i, ": ", status.message(), "; the block was dropped"));
-      break;
+      drop(entry);
+      if (!allow_missing) {
+        status = absl::DataLossError(absl::StrCat("block ", positions[j], ": ",
+                                                  status.message(),
+                                                  "; the block was dropped"));
+        break;
+      }
+      // A miss like any other: this read no longer holds it.
+      status = absl::OkStatus();
+      {
+        Shard& shard = shards_[entry->shard];
+        MutexLock lock(&shard.mu);
+        Unpin(shard, entry);
+      }
+      entries[j] = nullptr;
+      result.missing.push_back(positions[j]);
+      continue;
     }
     if (format == ReadFormat::kFp16) {
       block.data.resize(ns->info.fp16_block_bytes);
@@ -1201,21 +1235,10 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
     }
     result.blocks.push_back(std::move(block));
   }
+  entries.erase(std::remove(entries.begin(), entries.end(), nullptr),
+                entries.end());
+  std::sort(result.missing.begin(), result.missing.end());
 
-  if (status.code() == absl::StatusCode::kDataLoss) {
-    ++data_loss_events_;
-    Entry* bad = entries[failed];
-    Entry* parent = nullptr;
-    {
-      Shard& shard = shards_[bad->shard];
-      MutexLock lock(&shard.mu);
-      if (!bad->is(kRemoved)) {
-        parent = RemoveEntry(shard, bad);
-        ++evictions_data_loss_;
-      }
-    }
-    UnlinkParent(parent);
-  }
   if (!status.ok() || !keep_lease) {
     UnpinAll(entries);
     if (!status.ok()) return status;
