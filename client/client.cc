@@ -1,6 +1,7 @@
 #include "kvcache/client.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -8,6 +9,7 @@
 #include <mutex>
 #include <utility>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -24,6 +26,47 @@ constexpr char kRetryAfterKey[] = "kvcache-retry-after-ms";
 constexpr char kRetryPayloadUrl[] = "type.kvcache.dev/retry-after-ms";
 // Bytes of a CommitWrite beyond its payloads (keys, framing).
 constexpr size_t kMessageSlack = 64 << 10;
+// The longest a best-effort cleanup RPC (AbortWrite, EndRead) may take.
+constexpr absl::Duration kCleanupTimeout = absl::Seconds(5);
+
+std::chrono::system_clock::time_point Chrono(absl::Time t) {
+  if (t == absl::InfiniteFuture()) {
+    return std::chrono::system_clock::time_point::max();
+  }
+  return absl::ToChronoTime(t);
+}
+
+// The deadline and cancel token of one Client call.
+struct CallScope {
+  absl::Time deadline;
+  CancelToken* cancel = nullptr;
+
+  bool cancelled() const { return cancel != nullptr && cancel->cancelled(); }
+};
+
+absl::Status CallerCancelled() {
+  return absl::CancelledError("cancelled by the caller");
+}
+
+// Cancels a ClientContext from a CancelToken callback, which may run on
+// another thread at any time: the context is forgotten (under the mutex)
+// before the call that owns it returns.
+class ContextCanceller {
+ public:
+  explicit ContextCanceller(grpc::ClientContext* ctx) : ctx_(ctx) {}
+  void Cancel() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ctx_ != nullptr) ctx_->TryCancel();
+  }
+  void Forget() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ctx_ = nullptr;
+  }
+
+ private:
+  std::mutex mu_;
+  grpc::ClientContext* ctx_;
+};
 
 // The node sends only codecs it knows; anything else reads as fp16.
 Codec CodecFromProto(v1::Codec codec) {
@@ -81,16 +124,48 @@ absl::Status DecodeRaw(const GetResult& result, const BlockData& block,
 
 namespace {
 
-// The metadata of a BeginRead answer: shape, policy, and the blocks' keys,
-// codecs and formats (bytes left empty).
-GetResult MetadataFrom(const v1::BeginReadResponse& response) {
+// The metadata of a BeginRead answer for `keys`: shape, policy, missing
+// keys, and the blocks' keys, positions, codecs and formats (bytes left
+// empty). INTERNAL when the answer does not fit the request.
+absl::StatusOr<GetResult> MetadataFrom(const std::vector<std::string>& keys,
+                                       bool allow_missing,
+                                       const v1::BeginReadResponse& response) {
   GetResult result;
   result.shape = proto::ShapeFromProto(response.layout());
   result.policy =
       proto::PolicyFromProto(response.codec_policy()).value_or(CodecPolicy{});
+  if (!allow_missing && response.missing_size() > 0) {
+    return absl::InternalError("the node listed missing keys unasked");
+  }
+  if (static_cast<size_t>(response.blocks_size()) +
+          static_cast<size_t>(response.missing_size()) !=
+      keys.size()) {
+    return absl::InternalError(absl::StrCat(
+        "asked for ", keys.size(), " blocks, node sent ",
+        response.blocks_size(), " and ", response.missing_size(), " missing"));
+  }
+  for (int m = 0; m < response.missing_size(); ++m) {
+    const uint32_t index = response.missing(m);
+    if (index >= keys.size() || (m > 0 && index <= response.missing(m - 1))) {
+      return absl::InternalError("the node's missing list is malformed");
+    }
+    result.missing.push_back(index);
+  }
+  uint32_t index = 0;
+  size_t next_missing = 0;
   for (const v1::BlockData& b : response.blocks()) {
+    while (next_missing < result.missing.size() &&
+           result.missing[next_missing] == index) {
+      ++next_missing;
+      ++index;
+    }
+    if (b.key() != keys[index]) {
+      return absl::InternalError(
+          absl::StrCat("the node answered block ", index, " with another key"));
+    }
     BlockData block;
     block.key = b.key();
+    block.index = index++;
     block.codec = CodecFromProto(b.codec());
     block.format = b.format() == v1::READ_FORMAT_RAW ? ReadFormat::kRaw
                                                      : ReadFormat::kFp16;
@@ -165,11 +240,66 @@ struct Client::Impl {
     return it->second.region.lock();
   }
 
-  void Prepare(grpc::ClientContext* ctx) const {
-    ctx->set_deadline(std::chrono::system_clock::now() +
-                      absl::ToChronoMilliseconds(options.timeout));
+  CallScope Scope(const CallOptions& call) const {
+    return CallScope{CallDeadline(call, options.timeout), call.cancel.get()};
   }
-  absl::Time Deadline() const { return absl::Now() + options.timeout; }
+
+  // One unary RPC of a call: its deadline on the context, its cancel token
+  // wired to TryCancel for as long as the RPC runs.
+  absl::Status Rpc(const CallScope& scope,
+                   absl::FunctionRef<grpc::Status(grpc::ClientContext*)> rpc) {
+    if (scope.cancelled()) return CallerCancelled();
+    if (absl::Now() >= scope.deadline) {
+      return absl::DeadlineExceededError("the call's deadline has passed");
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Chrono(scope.deadline));
+    auto canceller = std::make_shared<ContextCanceller>(&ctx);
+    const uint64_t id =
+        scope.cancel == nullptr
+            ? 0
+            : scope.cancel->AddCallback([canceller] { canceller->Cancel(); });
+    grpc::Status status = rpc(&ctx);
+    if (scope.cancel != nullptr) scope.cancel->RemoveCallback(id);
+    canceller->Forget();
+    absl::Status st = FromGrpc(status, ctx);
+    if (st.code() == absl::StatusCode::kCancelled && scope.cancelled()) {
+      return CallerCancelled();
+    }
+    return st;
+  }
+
+  // Best-effort cleanup RPCs: sent without waiting for the answer (the node
+  // ends the lease at its TTL anyway), so a call never outlives its
+  // deadline for them.
+  void AbortWriteAsync(uint64_t write_id) {
+    struct Call {
+      grpc::ClientContext ctx;
+      v1::AbortWriteRequest request;
+      v1::AbortWriteResponse response;
+    };
+    // Owned by the callback: gone once the answer (or the deadline) is in.
+    auto call = std::make_shared<Call>();
+    call->request.set_write_id(write_id);
+    call->ctx.set_deadline(
+        Chrono(absl::Now() + std::min(options.timeout, kCleanupTimeout)));
+    stub->async()->AbortWrite(&call->ctx, &call->request, &call->response,
+                              [call](grpc::Status) mutable { call.reset(); });
+  }
+  void AbandonRead(uint64_t read_id) {
+    if (read_id == 0) return;
+    struct Call {
+      grpc::ClientContext ctx;
+      v1::EndReadRequest request;
+      v1::EndReadResponse response;
+    };
+    auto call = std::make_shared<Call>();
+    call->request.set_lease_id(read_id);
+    call->ctx.set_deadline(
+        Chrono(absl::Now() + std::min(options.timeout, kCleanupTimeout)));
+    stub->async()->EndRead(&call->ctx, &call->request, &call->response,
+                           [call](grpc::Status) mutable { call.reset(); });
+  }
 
   // Whether to ask the node for the data plane: not with kGrpc, nor once
   // UCX could not start in this process (kAuto falls back for good then).
@@ -207,38 +337,38 @@ struct Client::Impl {
     return address;
   }
 
-  absl::StatusOr<v1::BeginReadResponse> BeginRead(
-      const std::string& ns, const std::vector<std::string>& keys,
-      ReadFormat format, uint64_t pin_lease, bool inline_data) {
+  // A BeginRead and its metadata. Over the data plane (when the node
+  // answered with one) the read lease stays open until the transfer ends or
+  // AbandonRead; a failure here has abandoned it already.
+  struct Begun {
+    v1::BeginReadResponse response;
+    GetResult metadata;
+  };
+  absl::StatusOr<Begun> BeginRead(const std::string& ns,
+                                  const std::vector<std::string>& keys,
+                                  const ReadOptions& read, uint64_t pin_lease,
+                                  bool inline_data, const CallScope& scope) {
     v1::BeginReadRequest request;
     request.set_namespace_name(ns);
     for (const std::string& k : keys) request.add_keys(k);
-    request.set_format(format == ReadFormat::kRaw ? v1::READ_FORMAT_RAW
-                                                  : v1::READ_FORMAT_FP16);
+    request.set_format(read.format == ReadFormat::kRaw ? v1::READ_FORMAT_RAW
+                                                       : v1::READ_FORMAT_FP16);
     request.set_pin_lease_id(pin_lease);
     request.set_inline_data(inline_data);
-    v1::BeginReadResponse response;
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    absl::Status st = FromGrpc(stub->BeginRead(&ctx, request, &response), ctx);
+    request.set_allow_missing(read.allow_missing);
+    Begun begun;
+    absl::Status st = Rpc(scope, [&](grpc::ClientContext* ctx) {
+      return stub->BeginRead(ctx, request, &begun.response);
+    });
     if (!st.ok()) return st;
-    if (response.blocks_size() != static_cast<int>(keys.size())) {
-      return absl::InternalError(absl::StrCat("asked for ", keys.size(),
-                                              " blocks, node sent ",
-                                              response.blocks_size()));
+    absl::StatusOr<GetResult> metadata =
+        MetadataFrom(keys, read.allow_missing, begun.response);
+    if (!metadata.ok()) {
+      if (OverDataPlane(begun.response)) AbandonRead(begun.response.read_id());
+      return metadata.status();
     }
-    return response;
-  }
-
-  // Ends a read lease whose bytes will not be fetched (best effort: the
-  // node reaps it at its TTL anyway).
-  void AbandonRead(uint64_t read_id) {
-    v1::EndReadRequest request;
-    request.set_lease_id(read_id);
-    v1::EndReadResponse response;
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    stub->EndRead(&ctx, request, &response);
+    begun.metadata = *std::move(metadata);
+    return begun;
   }
 
   // Starts the transfer of a data-plane read into `region`, block i at
@@ -259,12 +389,23 @@ struct Client::Impl {
                                 destinations, PlaneLayers(response), per_layer,
                                 buffer_id);
   }
+
+  // An inline answer from a node that should have used the data plane.
+  absl::Status CheckInline(bool wanted, const v1::BeginReadResponse& response) {
+    if (wanted && options.data_plane == DataPlane::kUcx &&
+        response.blocks_size() > 0) {
+      return absl::FailedPreconditionError(
+          "the node offers no UCX data plane and the client requires one");
+    }
+    return absl::OkStatus();
+  }
 };
 
 struct PendingRead::Impl {
   GetResult metadata;
   std::vector<BlockPlacement> placements;
   absl::Time deadline;
+  std::shared_ptr<CancelToken> cancel;
   uint32_t plane_layers = 1;
   std::unique_ptr<ucx::ClientPlane::Read> read;  // null: inline, all there
 };
@@ -279,12 +420,13 @@ absl::Status PendingRead::WaitLayer(uint32_t layer) {
   }
   if (impl_->read == nullptr) return absl::OkStatus();
   return impl_->read->WaitLayers(std::min(layer + 1, impl_->plane_layers),
-                                 impl_->deadline);
+                                 impl_->deadline, impl_->cancel.get());
 }
 
 absl::Status PendingRead::Wait() {
   if (impl_->read == nullptr) return absl::OkStatus();
-  return impl_->read->WaitLayers(impl_->plane_layers, impl_->deadline);
+  return impl_->read->WaitLayers(impl_->plane_layers, impl_->deadline,
+                                 impl_->cancel.get());
 }
 
 uint32_t PendingRead::num_layers() const {
@@ -319,7 +461,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
 }
 
 absl::StatusOr<NamespaceInfo> Client::RegisterNamespace(
-    const NamespaceSpec& spec) {
+    const NamespaceSpec& spec, const CallOptions& call) {
   v1::RegisterNamespaceRequest request;
   v1::NamespaceSpec* s = request.mutable_spec();
   s->set_name(spec.name);
@@ -336,10 +478,10 @@ absl::StatusOr<NamespaceInfo> Client::RegisterNamespace(
     }
   }
   v1::RegisterNamespaceResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
   absl::Status st =
-      FromGrpc(impl_->stub->RegisterNamespace(&ctx, request, &response), ctx);
+      impl_->Rpc(impl_->Scope(call), [&](grpc::ClientContext* ctx) {
+        return impl_->stub->RegisterNamespace(ctx, request, &response);
+      });
   if (!st.ok()) return st;
   NamespaceInfo info;
   info.fingerprint = response.fingerprint();
@@ -351,24 +493,27 @@ absl::StatusOr<NamespaceInfo> Client::RegisterNamespace(
 }
 
 absl::StatusOr<LookupResult> Client::Lookup(
-    const std::string& ns, const std::vector<std::string>& keys, bool pin) {
+    const std::string& ns, const std::vector<std::string>& keys, bool pin,
+    const CallOptions& call) {
   v1::LookupRequest request;
   request.set_namespace_name(ns);
   for (const std::string& k : keys) request.add_keys(k);
   request.set_pin(pin);
   v1::LookupResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
   absl::Status st =
-      FromGrpc(impl_->stub->Lookup(&ctx, request, &response), ctx);
+      impl_->Rpc(impl_->Scope(call), [&](grpc::ClientContext* ctx) {
+        return impl_->stub->Lookup(ctx, request, &response);
+      });
   if (!st.ok()) return st;
   return LookupResult{response.prefix_blocks(), response.lease_id()};
 }
 
 absl::StatusOr<PutResult> Client::Put(const std::string& ns,
-                                      absl::Span<const BlockWrite> blocks) {
+                                      absl::Span<const BlockWrite> blocks,
+                                      const CallOptions& call) {
   PutResult total;
   if (blocks.empty()) return absl::InvalidArgumentError("no blocks to put");
+  const CallScope scope = impl_->Scope(call);
   // One begin/commit round trip per batch that fits in a message.
   size_t begin = 0;
   while (begin < blocks.size()) {
@@ -392,25 +537,13 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
       ref->set_parent_key(parent);
     }
     v1::BeginWriteResponse begin_response;
-    {
-      grpc::ClientContext ctx;
-      impl_->Prepare(&ctx);
-      absl::Status st = FromGrpc(
-          impl_->stub->BeginWrite(&ctx, begin_request, &begin_response), ctx);
-      if (!st.ok()) return st;
-    }
+    absl::Status begun = impl_->Rpc(scope, [&](grpc::ClientContext* ctx) {
+      return impl_->stub->BeginWrite(ctx, begin_request, &begin_response);
+    });
+    if (!begun.ok()) return begun;
     auto present = [&](size_t local) {
       return local < static_cast<size_t>(begin_response.present_size()) &&
              begin_response.present(static_cast<int>(local));
-    };
-    // Ends the write lease at once (best effort: its TTL ends it anyway).
-    auto abort = [&] {
-      v1::AbortWriteRequest request;
-      request.set_write_id(begin_response.write_id());
-      v1::AbortWriteResponse response;
-      grpc::ClientContext ctx;
-      impl_->Prepare(&ctx);
-      impl_->stub->AbortWrite(&ctx, request, &response);
     };
     bool sent = false;  // the bytes went over the data plane
     if (begin_response.has_data_plane() &&
@@ -436,6 +569,9 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
                          absl::MakeConstSpan(data, size), memh});
       }
       absl::Status st = [&]() -> absl::Status {
+        // Once sent, the bytes travel to the end (bounded by the deadline):
+        // a cancel does not cut a transfer short.
+        if (scope.cancelled()) return CallerCancelled();
         absl::StatusOr<ucx::ClientPlane*> ucx_plane = impl_->Plane();
         if (!ucx_plane.ok()) return ucx_plane.status();
         absl::StatusOr<ucx::Token> token =
@@ -444,7 +580,7 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
         return (*ucx_plane)
             ->SendBlocks(impl_->Resolve(begin_response.data_plane()),
                          begin_response.write_id(), *token, sends,
-                         impl_->Deadline());
+                         scope.deadline);
       }();
       sent = st.ok();
       // kAuto: a data plane this process cannot reach sends inline with
@@ -452,11 +588,11 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
       // ends the write.
       if (!st.ok() && (impl_->options.data_plane == DataPlane::kUcx ||
                        st.code() != absl::StatusCode::kUnavailable)) {
-        abort();
+        impl_->AbortWriteAsync(begin_response.write_id());
         return st;
       }
     } else if (impl_->options.data_plane == DataPlane::kUcx) {
-      abort();
+      impl_->AbortWriteAsync(begin_response.write_id());
       return absl::FailedPreconditionError(
           "the node offers no UCX data plane and the client requires one");
     }
@@ -471,11 +607,18 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
                   blocks[i].fp16.size() * sizeof(uint16_t));
     }
     v1::CommitWriteResponse commit_response;
-    grpc::ClientContext ctx;
-    impl_->Prepare(&ctx);
-    absl::Status st =
-        FromGrpc(impl_->stub->CommitWrite(&ctx, commit, &commit_response), ctx);
-    if (!st.ok()) return st;
+    absl::Status st = impl_->Rpc(scope, [&](grpc::ClientContext* ctx) {
+      return impl_->stub->CommitWrite(ctx, commit, &commit_response);
+    });
+    if (!st.ok()) {
+      // Not committed, or not known to be: a commit cut short may still
+      // complete on the node; otherwise the lease ends at its TTL.
+      if (st.code() != absl::StatusCode::kDeadlineExceeded &&
+          st.code() != absl::StatusCode::kCancelled) {
+        impl_->AbortWriteAsync(begin_response.write_id());
+      }
+      return st;
+    }
     total.stored += commit_response.blocks_stored();
     total.skipped += commit_response.blocks_skipped();
     total.stored_bytes += commit_response.stored_bytes();
@@ -487,27 +630,38 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
 absl::StatusOr<GetResult> Client::Get(const std::string& ns,
                                       const std::vector<std::string>& keys,
                                       ReadFormat format, uint64_t pin_lease) {
+  ReadOptions read;
+  read.format = format;
+  read.pin_lease = pin_lease;
+  return Get(ns, keys, read);
+}
+
+absl::StatusOr<GetResult> Client::Get(const std::string& ns,
+                                      const std::vector<std::string>& keys,
+                                      const ReadOptions& read,
+                                      const CallOptions& call) {
+  const CallScope scope = impl_->Scope(call);
   const bool want = impl_->WantDataPlane();
-  absl::StatusOr<v1::BeginReadResponse> response =
-      impl_->BeginRead(ns, keys, format, pin_lease, /*inline_data=*/!want);
-  if (!response.ok()) return response.status();
-  GetResult result = MetadataFrom(*response);
-  if (!OverDataPlane(*response)) {
-    if (want && impl_->options.data_plane == DataPlane::kUcx) {
-      return absl::FailedPreconditionError(
-          "the node offers no UCX data plane and the client requires one");
+  absl::StatusOr<Impl::Begun> begun = impl_->BeginRead(
+      ns, keys, read, read.pin_lease, /*inline_data=*/!want, scope);
+  if (!begun.ok()) return begun.status();
+  v1::BeginReadResponse& response = begun->response;
+  GetResult& result = begun->metadata;
+  if (!OverDataPlane(response)) {
+    if (absl::Status s = impl_->CheckInline(want, response); !s.ok()) {
+      return s;
     }
-    for (int i = 0; i < response->blocks_size(); ++i) {
+    for (int i = 0; i < response.blocks_size(); ++i) {
       result.blocks[i].bytes =
-          std::move(*response->mutable_blocks(i)->mutable_data());
+          std::move(*response.mutable_blocks(i)->mutable_data());
     }
-    return result;
+    return std::move(result);
   }
   // Over the data plane: into a region UCX allocates (shared memory where a
   // transport offers it), then copied out into the result's strings.
   std::vector<uint64_t> offsets;
   uint64_t total = 0;
-  for (const v1::BlockData& b : response->blocks()) {
+  for (const v1::BlockData& b : response.blocks()) {
     offsets.push_back(total);
     total += (b.length() + 63) / 64 * 64;
   }
@@ -518,35 +672,38 @@ absl::StatusOr<GetResult> Client::Get(const std::string& ns,
         (*ucx_plane)->Allocate(std::max<uint64_t>(total, 64));
     if (!region.ok()) return region.status();
     const uint8_t* base = (*region)->data();
-    absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> read =
-        impl_->StartRead(*ucx_plane, *response, *std::move(region), offsets,
+    absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
+        impl_->StartRead(*ucx_plane, response, *std::move(region), offsets,
                          /*per_layer=*/false);
-    if (!read.ok()) return read.status();
+    if (!transfer.ok()) return transfer.status();
+    // Not cut short by a cancel: an abandoned transfer would close the
+    // connection (and, without peer failure handling, could not stop the
+    // node's puts into the region). Bounded by the deadline.
     absl::Status done =
-        (*read)->WaitLayers((*read)->num_layers(), impl_->Deadline());
+        (*transfer)->WaitLayers((*transfer)->num_layers(), scope.deadline);
     if (!done.ok()) return done;
-    for (int i = 0; i < response->blocks_size(); ++i) {
+    if (scope.cancelled()) return CallerCancelled();
+    for (int i = 0; i < response.blocks_size(); ++i) {
       result.blocks[i].bytes.assign(
           reinterpret_cast<const char*>(base + offsets[i]),
-          response->blocks(i).length());
+          response.blocks(i).length());
     }
     return absl::OkStatus();
   }();
-  if (st.ok()) return result;
+  if (st.ok()) return std::move(result);
   // kAuto: when the data plane cannot be reached, read inline instead (a
   // pin lease, if any, was taken over by the first attempt).
-  impl_->AbandonRead(response->read_id());
+  impl_->AbandonRead(response.read_id());
   if (impl_->options.data_plane == DataPlane::kAuto &&
       st.code() == absl::StatusCode::kUnavailable) {
-    absl::StatusOr<v1::BeginReadResponse> again =
-        impl_->BeginRead(ns, keys, format, 0, /*inline_data=*/true);
+    absl::StatusOr<Impl::Begun> again =
+        impl_->BeginRead(ns, keys, read, 0, /*inline_data=*/true, scope);
     if (!again.ok()) return again.status();
-    GetResult inline_result = MetadataFrom(*again);
-    for (int i = 0; i < again->blocks_size(); ++i) {
-      inline_result.blocks[i].bytes =
-          std::move(*again->mutable_blocks(i)->mutable_data());
+    for (int i = 0; i < again->response.blocks_size(); ++i) {
+      again->metadata.blocks[i].bytes =
+          std::move(*again->response.mutable_blocks(i)->mutable_data());
     }
-    return inline_result;
+    return std::move(again->metadata);
   }
   return st;
 }
@@ -555,52 +712,82 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
     const std::string& ns, const std::vector<std::string>& keys,
     ReadFormat format, absl::Span<uint8_t> dest, size_t stride,
     uint64_t pin_lease) {
+  ReadOptions read;
+  read.format = format;
+  read.pin_lease = pin_lease;
+  return GetInto(ns, keys, read, dest, stride);
+}
+
+absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
+    const std::string& ns, const std::vector<std::string>& keys,
+    const ReadOptions& read, absl::Span<uint8_t> dest, size_t stride,
+    const CallOptions& call) {
   if (keys.empty()) return absl::InvalidArgumentError("no keys to read");
   if (stride == 0 || dest.size() / stride < keys.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("a buffer of ", dest.size(), " bytes does not hold ",
                      keys.size(), " blocks of stride ", stride));
   }
+  const CallScope scope = impl_->Scope(call);
+  // The pending read of an answer: metadata and placements; inline bytes
+  // are copied into `dest` here.
+  auto pending = [&](Impl::Begun& begun, bool over_plane)
+      -> absl::StatusOr<std::unique_ptr<PendingRead::Impl>> {
+    const v1::BeginReadResponse& response = begun.response;
+    auto impl = std::make_unique<PendingRead::Impl>();
+    impl->deadline = scope.deadline;
+    impl->cancel = call.cancel;
+    impl->plane_layers = PlaneLayers(response);
+    for (int j = 0; j < response.blocks_size(); ++j) {
+      const v1::BlockData& b = response.blocks(j);
+      BlockPlacement placement;
+      placement.offset =
+          static_cast<uint64_t>(begun.metadata.blocks[j].index) * stride;
+      placement.length = b.length();
+      placement.layer_ends.assign(b.layer_end_offsets().begin(),
+                                  b.layer_end_offsets().end());
+      if (placement.layer_ends.empty()) {
+        placement.layer_ends.push_back(b.length());
+      }
+      const uint64_t bytes = over_plane ? b.length() : b.data().size();
+      if (bytes > stride) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("block ", begun.metadata.blocks[j].index, " has ",
+                         bytes, " bytes, more than the stride of ", stride));
+      }
+      if (!over_plane) {
+        std::memcpy(dest.data() + placement.offset, b.data().data(),
+                    b.data().size());
+      }
+      impl->placements.push_back(std::move(placement));
+    }
+    impl->metadata = std::move(begun.metadata);
+    return impl;
+  };
+
   const bool want = impl_->WantDataPlane();
-  absl::StatusOr<v1::BeginReadResponse> response =
-      impl_->BeginRead(ns, keys, format, pin_lease, /*inline_data=*/!want);
-  if (!response.ok()) return response.status();
-  const bool over_plane = OverDataPlane(*response);
-  auto impl = std::make_unique<PendingRead::Impl>();
-  impl->metadata = MetadataFrom(*response);
-  impl->deadline = impl_->Deadline();
-  impl->plane_layers = PlaneLayers(*response);
-  std::vector<uint64_t> offsets;
-  for (int i = 0; i < response->blocks_size(); ++i) {
-    const v1::BlockData& b = response->blocks(i);
-    BlockPlacement placement;
-    placement.offset = static_cast<uint64_t>(i) * stride;
-    placement.length = b.length();
-    placement.layer_ends.assign(b.layer_end_offsets().begin(),
-                                b.layer_end_offsets().end());
-    if (placement.layer_ends.empty())
-      placement.layer_ends.push_back(b.length());
-    if (b.length() > stride) {
-      if (over_plane) impl_->AbandonRead(response->read_id());
-      return absl::InvalidArgumentError(
-          absl::StrCat("block ", i, " has ", b.length(),
-                       " bytes, more than the stride of ", stride));
-    }
-    offsets.push_back(placement.offset);
-    impl->placements.push_back(std::move(placement));
-  }
+  absl::StatusOr<Impl::Begun> begun = impl_->BeginRead(
+      ns, keys, read, read.pin_lease, /*inline_data=*/!want, scope);
+  if (!begun.ok()) return begun.status();
+  const bool over_plane = OverDataPlane(begun->response);
   if (!over_plane) {
-    if (want && impl_->options.data_plane == DataPlane::kUcx) {
-      return absl::FailedPreconditionError(
-          "the node offers no UCX data plane and the client requires one");
+    if (absl::Status s = impl_->CheckInline(want, begun->response); !s.ok()) {
+      return s;
     }
-    for (int i = 0; i < response->blocks_size(); ++i) {
-      const std::string& data = response->blocks(i).data();
-      std::memcpy(dest.data() + offsets[i], data.data(), data.size());
-    }
-    return std::make_unique<PendingRead>(std::move(impl));
+    absl::StatusOr<std::unique_ptr<PendingRead::Impl>> impl =
+        pending(*begun, false);
+    if (!impl.ok()) return impl.status();
+    return std::make_unique<PendingRead>(*std::move(impl));
+  }
+  const v1::BeginReadResponse& response = begun->response;
+  absl::StatusOr<std::unique_ptr<PendingRead::Impl>> impl =
+      pending(*begun, true);
+  if (!impl.ok()) {
+    impl_->AbandonRead(response.read_id());
+    return impl.status();
   }
   absl::Status st = [&]() -> absl::Status {
+    if (scope.cancelled()) return CallerCancelled();
     absl::StatusOr<ucx::ClientPlane*> ucx_plane = impl_->Plane();
     if (!ucx_plane.ok()) return ucx_plane.status();
     // A DataBuffer is registered already; other memory is registered for
@@ -615,19 +802,32 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
       region = *std::move(registered);
     }
     const uint64_t skip = static_cast<uint64_t>(dest.data() - region->data());
-    for (uint64_t& offset : offsets) offset += skip;
-    absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> read =
-        impl_->StartRead(*ucx_plane, *response, std::move(region), offsets,
+    std::vector<uint64_t> offsets;
+    for (const BlockPlacement& p : (*impl)->placements) {
+      offsets.push_back(skip + p.offset);
+    }
+    absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
+        impl_->StartRead(*ucx_plane, response, std::move(region), offsets,
                          /*per_layer=*/true, buffer_id);
-    if (!read.ok()) return read.status();
-    impl->read = *std::move(read);
+    if (!transfer.ok()) return transfer.status();
+    (*impl)->read = *std::move(transfer);
     return absl::OkStatus();
   }();
-  if (!st.ok()) {
-    impl_->AbandonRead(response->read_id());
-    return st;
+  if (st.ok()) return std::make_unique<PendingRead>(*std::move(impl));
+  impl_->AbandonRead(response.read_id());
+  // kAuto: when the data plane cannot be reached, read inline instead (a
+  // pin lease, if any, was taken over by the first attempt).
+  if (impl_->options.data_plane == DataPlane::kAuto &&
+      st.code() == absl::StatusCode::kUnavailable) {
+    absl::StatusOr<Impl::Begun> again =
+        impl_->BeginRead(ns, keys, read, 0, /*inline_data=*/true, scope);
+    if (!again.ok()) return again.status();
+    absl::StatusOr<std::unique_ptr<PendingRead::Impl>> inline_impl =
+        pending(*again, false);
+    if (!inline_impl.ok()) return inline_impl.status();
+    return std::make_unique<PendingRead>(*std::move(inline_impl));
   }
-  return std::make_unique<PendingRead>(std::move(impl));
+  return st;
 }
 
 struct DataBuffer::Impl {
@@ -686,35 +886,37 @@ absl::StatusOr<std::unique_ptr<DataBuffer>> Client::AllocateBuffer(
   return std::make_unique<DataBuffer>(std::move(impl));
 }
 
-absl::Status Client::Release(uint64_t pin_lease) {
+absl::Status Client::Release(uint64_t pin_lease, const CallOptions& call) {
   v1::EndReadRequest request;
   request.set_lease_id(pin_lease);
   v1::EndReadResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
-  return FromGrpc(impl_->stub->EndRead(&ctx, request, &response), ctx);
+  return impl_->Rpc(impl_->Scope(call), [&](grpc::ClientContext* ctx) {
+    return impl_->stub->EndRead(ctx, request, &response);
+  });
 }
 
 absl::StatusOr<uint32_t> Client::Delete(const std::string& ns,
-                                        const std::vector<std::string>& keys) {
+                                        const std::vector<std::string>& keys,
+                                        const CallOptions& call) {
   v1::DeleteRequest request;
   request.set_namespace_name(ns);
   for (const std::string& k : keys) request.add_keys(k);
   v1::DeleteResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
   absl::Status st =
-      FromGrpc(impl_->stub->Delete(&ctx, request, &response), ctx);
+      impl_->Rpc(impl_->Scope(call), [&](grpc::ClientContext* ctx) {
+        return impl_->stub->Delete(ctx, request, &response);
+      });
   if (!st.ok()) return st;
   return response.deleted();
 }
 
-absl::StatusOr<NodeStats> Client::Stats() {
+absl::StatusOr<NodeStats> Client::Stats(const CallOptions& call) {
   v1::StatsRequest request;
   v1::StatsResponse response;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
-  absl::Status st = FromGrpc(impl_->stub->Stats(&ctx, request, &response), ctx);
+  absl::Status st =
+      impl_->Rpc(impl_->Scope(call), [&](grpc::ClientContext* ctx) {
+        return impl_->stub->Stats(ctx, request, &response);
+      });
   if (!st.ok()) return st;
   NodeStats s;
   s.capacity_bytes = response.capacity_bytes();

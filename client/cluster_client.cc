@@ -153,6 +153,15 @@ void MarkUp(NodeState& node) {
   node.retry_at = absl::InfinitePast();
 }
 
+// A probe that this client cancelled tells nothing: the next call may
+// probe the node at once.
+void ReleaseProbe(NodeState& node, uint64_t epoch) {
+  absl::MutexLock lock(&node.mu);
+  if (node.epoch == epoch && node.failures > 0) {
+    node.retry_at = std::min(node.retry_at, absl::Now());
+  }
+}
+
 // Returns true when this call marked the node down (first for its epoch).
 bool MarkDown(NodeState& node, uint64_t epoch, absl::Duration initial,
               absl::Duration max) {
@@ -242,43 +251,6 @@ std::chrono::system_clock::time_point ToChrono(absl::Time t) {
 }  // namespace
 
 // ---------------------------------------------------------------------------
-// CancelToken
-
-void CancelToken::Cancel() {
-  std::map<uint64_t, absl::AnyInvocable<void()>> run;
-  {
-    absl::MutexLock lock(&mu_);
-    if (cancelled_) return;
-    cancelled_ = true;
-    run.swap(callbacks_);
-  }
-  for (auto& [id, fn] : run) fn();
-}
-
-bool CancelToken::cancelled() const {
-  absl::MutexLock lock(&mu_);
-  return cancelled_;
-}
-
-uint64_t CancelToken::AddCallback(absl::AnyInvocable<void()> fn) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (!cancelled_) {
-      uint64_t id = next_id_++;
-      callbacks_.emplace(id, std::move(fn));
-      return id;
-    }
-  }
-  fn();
-  return 0;
-}
-
-void CancelToken::RemoveCallback(uint64_t id) {
-  absl::MutexLock lock(&mu_);
-  callbacks_.erase(id);
-}
-
-// ---------------------------------------------------------------------------
 // Call: one fanned-out operation. Tasks merge their part into `Partial`;
 // the result is delivered exactly once: when every task is done, or at
 // Stop() (deadline: what is there, through `finish`; cancel / shutdown:
@@ -307,6 +279,10 @@ class ClusterClient::Call {
 
   absl::Time deadline() const { return deadline_; }
   absl::Notification& stop() { return stop_; }
+  // Fired when the call is stopped by a cancel or shutdown (not at its
+  // deadline, where every RPC's own deadline ends it): cancels the RPCs and
+  // data-plane waits its tasks have in flight.
+  const std::shared_ptr<CancelToken>& rpc_cancel() const { return rpc_cancel_; }
 
   // Runs `cleanup` at delivery (now when delivered already).
   void SetCleanup(absl::AnyInvocable<void()> cleanup) {
@@ -340,6 +316,8 @@ class ClusterClient::Call {
   // delivered as the call's error.
   void Stop(absl::Status reason) {
     Delivery d;
+    const bool cancel_rpcs =
+        reason.code() != absl::StatusCode::kDeadlineExceeded;
     {
       absl::MutexLock lock(&mu_);
       if (stopped_) return;
@@ -348,6 +326,7 @@ class ClusterClient::Call {
       stop_.Notify();
       d = MaybeDeliverLocked();
     }
+    if (cancel_rpcs) rpc_cancel_->Cancel();
     d.Run();
   }
 
@@ -381,6 +360,8 @@ class ClusterClient::Call {
 
   const absl::Time deadline_;
   const bool wait_for_tasks_;
+  const std::shared_ptr<CancelToken> rpc_cancel_ =
+      std::make_shared<CancelToken>();
   absl::Notification stop_;
   absl::Mutex mu_;
   Partial partial_ ABSL_GUARDED_BY(mu_);
@@ -455,6 +436,7 @@ absl::StatusOr<std::unique_ptr<ClusterClient>> ClusterClient::Create(
       co.target = id;
       co.timeout = cc->options_.rpc_timeout;
       co.max_message_bytes = cc->options_.max_message_bytes;
+      co.data_plane = cc->options_.data_plane;
       auto client = Client::Connect(co);
       if (!client.ok()) return client.status();
       m->nodes.push_back(std::make_shared<NodeState>(
@@ -471,6 +453,7 @@ ClusterClient::~ClusterClient() {
   stop_refresh_.Notify();
   if (refresh_thread_.joinable()) refresh_thread_.join();
   shutting_down_->store(true);
+  shutdown_cancel_->Cancel();
   // Every call still armed is stopped (CANCELLED) now; Lookup and Get are
   // delivered at once, Put once its RPC in flight has ended.
   timer_->Shutdown();
@@ -528,6 +511,7 @@ absl::Status ClusterClient::RefreshMembership() {
       co.target = id;
       co.timeout = options_.rpc_timeout;
       co.max_message_bytes = options_.max_message_bytes;
+      co.data_plane = options_.data_plane;
       auto client = Client::Connect(co);
       if (!client.ok()) return client.status();
       node = std::make_shared<NodeState>(id, *std::move(client),
@@ -622,9 +606,16 @@ ClusterClient::FindNamespace(const std::string& ns) const {
 }
 
 absl::Time ClusterClient::Deadline(const CallOptions& options) const {
-  return absl::Now() + (options.timeout > absl::ZeroDuration()
-                            ? options.timeout
-                            : options_.default_timeout);
+  return CallDeadline(options, options_.default_timeout);
+}
+
+CallOptions ClusterClient::RpcOptions(
+    absl::Time deadline, const std::shared_ptr<CancelToken>& cancel) const {
+  CallOptions rpc;
+  rpc.timeout = options_.rpc_timeout;
+  rpc.deadline = deadline;
+  rpc.cancel = cancel;
+  return rpc;
 }
 
 template <typename C>
@@ -661,12 +652,14 @@ bool ClusterClient::Submit(const std::shared_ptr<NodeState>& node,
 }
 
 absl::Status ClusterClient::EnsureRegistered(NodeState& node,
-                                             const Namespace& ns) {
+                                             const Namespace& ns,
+                                             const CallOptions& rpc) {
   {
     absl::MutexLock lock(&node.mu);
     if (node.registered.count(ns.spec.name) > 0) return absl::OkStatus();
   }
-  absl::StatusOr<NamespaceInfo> info = node.client->RegisterNamespace(ns.spec);
+  absl::StatusOr<NamespaceInfo> info =
+      node.client->RegisterNamespace(ns.spec, rpc);
   if (!info.ok()) return info.status();
   absl::MutexLock lock(&node.mu);
   node.registered.insert(ns.spec.name);
@@ -674,30 +667,36 @@ absl::Status ClusterClient::EnsureRegistered(NodeState& node,
 }
 
 template <typename Fn>
-absl::Status ClusterClient::RunOnNode(NodeState& node, uint64_t epoch,
-                                      const Namespace& ns,
-                                      absl::Notification& stop,
-                                      absl::Time deadline, RunFlags flags,
-                                      Fn&& rpc) {
+absl::Status ClusterClient::RunOnNode(
+    NodeState& node, uint64_t epoch, const Namespace& ns,
+    absl::Notification& stop, absl::Time deadline,
+    const std::shared_ptr<CancelToken>& cancel, RunFlags flags, Fn&& rpc) {
   int attempt = 0;
   bool reregistered = false;
   while (true) {
     if (stop.HasBeenNotified() || shutting_down_->load()) {
       return absl::CancelledError("the call has ended");
     }
-    absl::Status st =
-        flags.ensure_registered ? EnsureRegistered(node, ns) : absl::OkStatus();
-    // At most one operation RPC starts after the call has ended (the one
-    // in flight then), so a Put ends within 2 * rpc_timeout of its end.
+    const CallOptions rpc_options = RpcOptions(deadline, cancel);
+    absl::Status st = flags.ensure_registered
+                          ? EnsureRegistered(node, ns, rpc_options)
+                          : absl::OkStatus();
     if (st.ok() && stop.HasBeenNotified()) {
       return absl::CancelledError("the call has ended");
     }
-    if (st.ok()) st = rpc();
+    if (st.ok()) st = rpc(rpc_options);
     if (st.ok()) {
       MarkUp(node);
       return st;
     }
     const absl::StatusCode code = st.code();
+    if (code == absl::StatusCode::kCancelled &&
+        ((cancel != nullptr && cancel->cancelled()) ||
+         shutting_down_->load())) {
+      // This client cancelled it (the caller, or shutdown): not the node.
+      ReleaseProbe(node, epoch);
+      return absl::CancelledError("the call has ended");
+    }
     if (code == absl::StatusCode::kNotFound && flags.reregister_on_not_found &&
         !reregistered) {
       // The node may have lost the namespace (restarted): register again.
@@ -796,12 +795,13 @@ absl::StatusOr<NamespaceInfo> ClusterClient::RegisterNamespace(
         node->registered.erase(ns->spec.name);
       }
       absl::StatusOr<NamespaceInfo> info;
-      absl::Status st =
-          RunOnNode(*node, epoch, *ns, call->stop(), call->deadline(),
-                    RunFlags{/*ensure_registered=*/false, false}, [&] {
-                      info = node->client->RegisterNamespace(ns->spec);
-                      return info.status();
-                    });
+      absl::Status st = RunOnNode(
+          *node, epoch, *ns, call->stop(), call->deadline(), call->rpc_cancel(),
+          RunFlags{/*ensure_registered=*/false, false},
+          [&](const CallOptions& rpc) {
+            info = node->client->RegisterNamespace(ns->spec, rpc);
+            return info.status();
+          });
       if (st.ok()) {
         absl::MutexLock lock(&node->mu);
         node->registered.insert(ns->spec.name);
@@ -885,12 +885,14 @@ void ClusterClient::LookupAsync(const std::string& ns_name,
           std::vector<std::string> sub;
           for (uint32_t i : chunk) sub.push_back((*shared_keys)[i]);
           absl::StatusOr<LookupResult> r;
-          absl::Status st =
-              RunOnNode(*node, epoch, *space, call->stop(), call->deadline(),
-                        RunFlags{true, /*reregister_on_not_found=*/true}, [&] {
-                          r = node->client->Lookup(space->spec.name, sub);
-                          return r.status();
-                        });
+          absl::Status st = RunOnNode(
+              *node, epoch, *space, call->stop(), call->deadline(),
+              call->rpc_cancel(),
+              RunFlags{true, /*reregister_on_not_found=*/true},
+              [&](const CallOptions& rpc) {
+                r = node->client->Lookup(space->spec.name, sub, false, rpc);
+                return r.status();
+              });
           if (!st.ok()) {
             if (IsCallerError(st.code())) error = st;
             break;  // the rest stays unknown (unavailable)
@@ -1014,8 +1016,10 @@ void ClusterClient::PutAsync(const std::string& ns_name,
           absl::StatusOr<PutResult> r;
           absl::Status st =
               RunOnNode(*node, epoch, *space, call->stop(), call->deadline(),
-                        RunFlags{true, /*reregister_on_not_found=*/true}, [&] {
-                          r = node->client->Put(space->spec.name, sub);
+                        call->rpc_cancel(),
+                        RunFlags{true, /*reregister_on_not_found=*/true},
+                        [&](const CallOptions& rpc) {
+                          r = node->client->Put(space->spec.name, sub, rpc);
                           return r.status();
                         });
           if (st.ok()) {
@@ -1130,35 +1134,28 @@ void ClusterClient::GetAsyncAt(const std::string& ns_name,
         std::vector<std::string> sub;
         for (uint32_t i : chunk) sub.push_back((*shared_keys)[i]);
         absl::StatusOr<GetResult> got;
-        size_t misses_from = chunk.size();  // chunk[misses_from..) are misses
         absl::Status st = absl::CancelledError("node marked down");
-        auto read = [&](size_t count) {
-          std::vector<std::string> want(sub.begin(), sub.begin() + count);
-          return RunOnNode(*node, epoch, *space, call->stop(), call->deadline(),
-                           RunFlags{true, false}, [&] {
-                             got = node->client->Get(space->spec.name, want,
-                                                     format);
-                             return got.status();
-                           });
-        };
         if (StillUsable(*node, epoch)) {
-          st = read(chunk.size());
+          ReadOptions read;
+          read.format = format;
+          read.allow_missing = true;
+          // NOT_FOUND now means the node lost the namespace: registered
+          // again, then read again.
+          st = RunOnNode(*node, epoch, *space, call->stop(), call->deadline(),
+                         call->rpc_cancel(),
+                         RunFlags{true, /*reregister_on_not_found=*/true},
+                         [&](const CallOptions& rpc) {
+                           got = node->client->Get(space->spec.name, sub, read,
+                                                   rpc);
+                           return got.status();
+                         });
           if (IsMiss(st.code())) {
-            // Which of them are there? The node's prefix of this chunk.
-            absl::StatusOr<LookupResult> lr;
-            st = RunOnNode(*node, epoch, *space, call->stop(), call->deadline(),
-                           RunFlags{true, true}, [&] {
-                             lr = node->client->Lookup(space->spec.name, sub);
-                             return lr.status();
-                           });
-            if (st.ok()) {
-              misses_from = std::min<size_t>(lr->prefix_blocks, chunk.size());
-              st = misses_from > 0 ? read(misses_from) : absl::OkStatus();
-              if (IsMiss(st.code())) {
-                misses_from = 0;  // gone meanwhile: all of them are misses
-                st = absl::OkStatus();
-              }
+            // A node that predates allow_missing: the whole chunk misses.
+            got = GetResult{};
+            for (uint32_t j = 0; j < chunk.size(); ++j) {
+              got->missing.push_back(j);
             }
+            st = absl::OkStatus();
           }
         }
         call->TaskDone([&](Partial& p) {
@@ -1166,16 +1163,13 @@ void ClusterClient::GetAsyncAt(const std::string& ns_name,
             if (IsCallerError(st.code()) && !p.error.has_value()) p.error = st;
             return;  // unknown: unavailable
           }
-          for (size_t j = misses_from; j < chunk.size(); ++j) {
-            p.state[chunk[j]] = kMiss;
-          }
-          if (misses_from == 0) return;
-          if (got->blocks.size() != misses_from ||
-              got->shape.num_layers != space->spec.shape.num_layers ||
+          for (uint32_t j : got->missing) p.state[chunk[j]] = kMiss;
+          if (got->blocks.empty()) return;
+          if (got->shape.num_layers != space->spec.shape.num_layers ||
               got->shape.tokens_per_block !=
                   space->spec.shape.tokens_per_block) {
-            for (size_t j = 0; j < misses_from; ++j) {
-              p.state[chunk[j]] = kMiss;
+            for (const BlockData& b : got->blocks) {
+              p.state[chunk[b.index]] = kMiss;
             }
             return;
           }
@@ -1184,9 +1178,11 @@ void ClusterClient::GetAsyncAt(const std::string& ns_name,
             p.layout->shape = got->shape;
             p.layout->policy = got->policy;
           }
-          for (size_t j = 0; j < misses_from; ++j) {
-            p.state[chunk[j]] = kFound;
-            p.blocks[chunk[j]] = std::move(got->blocks[j]);
+          for (BlockData& b : got->blocks) {
+            const uint32_t i = chunk[b.index];
+            b.index = i;
+            p.state[i] = kFound;
+            p.blocks[i] = std::move(b);
           }
         });
       };
@@ -1271,8 +1267,9 @@ absl::StatusOr<uint32_t> ClusterClient::Delete(const std::string& ns_name,
           std::vector<std::string> sub;
           for (uint32_t i : chunk) sub.push_back((*shared_keys)[i]);
           st = RunOnNode(*node, epoch, *space, call->stop(), call->deadline(),
-                         RunFlags{true, false}, [&] {
-                           r = node->client->Delete(space->spec.name, sub);
+                         call->rpc_cancel(), RunFlags{true, false},
+                         [&](const CallOptions& rpc) {
+                           r = node->client->Delete(space->spec.name, sub, rpc);
                            return r.status();
                          });
         }
@@ -1296,52 +1293,117 @@ absl::StatusOr<uint32_t> ClusterClient::Delete(const std::string& ns_name,
 
 // ---------------------------------------------------------------------------
 // Layer-wise Get
+//
+// One Client::GetInto per node and chunk (allow_missing), into a buffer of
+// the stream's own. The node's answers fix the prefix (a metadata Call:
+// complete when every chunk has answered, or at the deadline with what has
+// answered). Each chunk's task then waits for its layers one by one
+// (PendingRead::WaitLayer); once layer l of every chunk of the prefix is
+// there, a delivery task on a work thread decodes it (raw reads), hands it
+// to on_layer and marks it ready. A chunk's transfer always runs to its end
+// (or its deadline) before its buffer is let go, also when the stream has
+// stopped: a cancelled stream never closes a data-plane connection that
+// other calls share.
+
+namespace internal {
+
+// One GetInto: the keys at `indices` (ascending) of one node.
+struct StreamChunk {
+  std::string node_id;
+  std::vector<uint32_t> indices;
+  size_t stride = 0;
+  std::unique_ptr<uint8_t[]> buffer;  // indices.size() * stride bytes
+
+  // Guarded by LayerStream::State::mu.
+  GetResult metadata;  // blocks: index = position in `indices`
+  std::vector<BlockPlacement> placements;
+  uint32_t layers_arrived = 0;  // of every block of the chunk
+  absl::Status error;           // the transfer failed
+  bool needed = false;          // holds blocks of the prefix
+};
+
+// Where block b of the prefix is.
+struct StreamBlock {
+  StreamChunk* chunk = nullptr;
+  const uint8_t* bytes = nullptr;  // the block's bytes in the chunk buffer
+  uint64_t length = 0;
+  ReadFormat format = ReadFormat::kFp16;
+  CodecPolicy policy;           // kRaw: the block's own (residual: none)
+  std::vector<size_t> offsets;  // kRaw: layer offsets, num_layers + 1
+};
+
+struct StreamPrefix {
+  uint32_t prefix = 0;
+  uint32_t unavailable = 0;
+};
+
+}  // namespace internal
+
+using internal::StreamBlock;
+using internal::StreamChunk;
+using internal::StreamPrefix;
 
 struct LayerStream::State {
   absl::Mutex mu;
+  // Fixed before the fetch starts.
+  BlockShape shape;
   uint32_t num_layers = 0;
   size_t section = 0;  // halves of one layer's K (or V) of one block
   absl::Time wait_bound;
   ReadFormat format = ReadFormat::kFp16;
   LayerCallback on_layer;
+  internal::Executor* work = nullptr;
   std::shared_ptr<CancelToken> cancel = std::make_shared<CancelToken>();
   std::shared_ptr<CancelToken> caller_cancel;
   uint64_t caller_cancel_id = 0;
+  std::vector<std::shared_ptr<StreamChunk>> chunks;
 
   bool stop ABSL_GUARDED_BY(mu) = false;
   bool in_callback ABSL_GUARDED_BY(mu) = false;
-  bool fetched ABSL_GUARDED_BY(mu) = false;
+  bool fetched ABSL_GUARDED_BY(mu) = false;     // the prefix is fixed
+  bool delivering ABSL_GUARDED_BY(mu) = false;  // a delivery task is queued
   uint32_t ready_layers ABSL_GUARDED_BY(mu) = 0;
   absl::Status error ABSL_GUARDED_BY(mu);
   uint32_t prefix ABSL_GUARDED_BY(mu) = 0;
   uint32_t unavailable ABSL_GUARDED_BY(mu) = 0;
-  // Written by the fetch's completion, then owned by RunLayers.
-  ClusterGetResult result;
-  // Per block, every layer in store order (fp16); a layer is written before
-  // ready_layers passes it and never changes after.
-  std::vector<std::vector<uint16_t>> blocks;
+  // Set with `fetched`, then read-only (the delivery task writes `decoded`
+  // layer by layer, each before ready_layers passes it).
+  std::vector<StreamBlock> blocks;
+  // kRaw: per prefix block, every layer decoded to fp16.
+  std::vector<std::vector<uint16_t>> decoded;
 
   void Fail(absl::Status status) {
     absl::MutexLock lock(&mu);
     if (error.ok()) error = std::move(status);
   }
+  void Stop(absl::Status status) {
+    absl::MutexLock lock(&mu);
+    stop = true;
+    if (error.ok()) error = std::move(status);
+  }
+  // The fp16 of layer `l` of prefix block `b` (K then V).
+  const uint16_t* Layer(uint32_t b, uint32_t l) const {
+    const uint16_t* base =
+        format == ReadFormat::kRaw
+            ? decoded[b].data()
+            : reinterpret_cast<const uint16_t*>(blocks[b].bytes);
+    return base + size_t{l} * 2 * section;
+  }
 };
 
 namespace {
 
-// Decodes layer `l` of one raw block into `out` (2*section halves). `offsets`
-// are the layers' byte offsets in the encoding (num_layers + 1 entries).
-absl::Status DecodeRawLayer(const BlockShape& shape, const CodecPolicy& policy,
-                            const std::string& bytes,
-                            const std::vector<size_t>& offsets, uint32_t l,
-                            absl::Span<uint16_t> out) {
+using StreamState = LayerStream::State;
+
+// Decodes layer `l` of one raw block into `out` (2*section halves).
+absl::Status DecodeRawLayer(const BlockShape& shape, const StreamBlock& block,
+                            uint32_t l, absl::Span<uint16_t> out) {
   BlockShape one = shape;
   one.num_layers = 1;
   return kernels::DecodeBlock(
-      one, LayerPolicy(shape, policy, l),
-      absl::MakeConstSpan(
-          reinterpret_cast<const uint8_t*>(bytes.data()) + offsets[l],
-          offsets[l + 1] - offsets[l]),
+      one, LayerPolicy(shape, block.policy, l),
+      absl::MakeConstSpan(block.bytes + block.offsets[l],
+                          block.offsets[l + 1] - block.offsets[l]),
       out);
 }
 
@@ -1354,67 +1416,82 @@ absl::StatusOr<CodecPolicy> BlockPolicy(const CodecPolicy& ns_policy,
   return absl::DataLossError("block codec differs from its namespace's");
 }
 
-void RunLayers(const std::shared_ptr<LayerStream::State>& s) {
-  const ClusterGetResult& r = s->result;
-  const BlockShape& shape = r.read.shape;
-  const size_t section = s->section;
-  const uint32_t prefix = r.prefix_blocks;
-  if (prefix == 0) {  // nothing cached: every layer is trivially ready
+void Deliver(const std::shared_ptr<StreamState>& s);
+
+// Starts a delivery task when the next layer is ready everywhere (or a
+// chunk of the prefix failed) and none runs.
+void MaybeDeliver(const std::shared_ptr<StreamState>& s) {
+  {
     absl::MutexLock lock(&s->mu);
-    s->ready_layers = shape.num_layers;
-    return;
+    if (!s->fetched || s->delivering || s->stop || !s->error.ok() ||
+        s->ready_layers >= s->num_layers) {
+      return;
+    }
+    const uint32_t l = s->ready_layers;
+    for (const auto& c : s->chunks) {
+      if (c->needed && c->layers_arrived <= l && c->error.ok()) return;
+    }
+    s->delivering = true;
   }
-  std::vector<CodecPolicy> policies(prefix);
-  std::vector<std::vector<size_t>> offsets(prefix);
-  s->blocks.resize(prefix);
-  for (uint32_t b = 0; b < prefix; ++b) {
-    const BlockData& block = r.read.blocks[b];
-    s->blocks[b].resize(2 * section * shape.num_layers);
-    if (block.format != ReadFormat::kRaw) {
-      if (block.bytes.size() != s->blocks[b].size() * 2) {
-        return s->Fail(absl::DataLossError("fp16 block of the wrong size"));
-      }
-      continue;
-    }
-    absl::StatusOr<CodecPolicy> policy =
-        BlockPolicy(r.read.policy, block.codec);
-    if (!policy.ok()) return s->Fail(policy.status());
-    policies[b] = *policy;
-    BlockShape one = shape;
-    one.num_layers = 1;
-    offsets[b].push_back(0);
-    for (uint32_t l = 0; l < shape.num_layers; ++l) {
-      offsets[b].push_back(
-          offsets[b].back() +
-          kernels::EncodedBlockBytes(one, LayerPolicy(shape, policies[b], l)));
-    }
-    if (offsets[b].back() != block.bytes.size()) {
-      return s->Fail(absl::DataLossError(
-          absl::StrCat("raw block ", b, " has ", block.bytes.size(),
-                       " bytes; expected ", offsets[b].back())));
+  if (s->work == nullptr || !s->work->Submit([s] { Deliver(s); })) {
+    absl::MutexLock lock(&s->mu);
+    s->delivering = false;
+    if (s->error.ok()) {
+      s->error = absl::CancelledError("ClusterClient is shutting down");
     }
   }
-  std::vector<LayerSlice> slices(prefix);
-  for (uint32_t l = 0; l < shape.num_layers; ++l) {
-    for (uint32_t b = 0; b < prefix; ++b) {
-      const BlockData& block = r.read.blocks[b];
-      absl::Span<uint16_t> out =
-          absl::MakeSpan(s->blocks[b])
-              .subspan(size_t{l} * 2 * section, 2 * section);
-      if (block.format == ReadFormat::kRaw) {
-        absl::Status st =
-            DecodeRawLayer(shape, policies[b], block.bytes, offsets[b], l, out);
-        if (!st.ok()) return s->Fail(st);
-      } else {
-        std::memcpy(out.data(), block.bytes.data() + size_t{l} * 4 * section,
-                    4 * section);
+}
+
+// Delivers every layer that is ready, in order.
+void Deliver(const std::shared_ptr<StreamState>& s) {
+  std::vector<LayerSlice> slices(s->blocks.size());
+  while (true) {
+    uint32_t l;
+    {
+      absl::MutexLock lock(&s->mu);
+      if (s->stop || !s->error.ok() || s->ready_layers >= s->num_layers) {
+        s->delivering = false;
+        return;
       }
-      slices[b] = {b, out.subspan(0, section), out.subspan(section, section)};
+      l = s->ready_layers;
+      for (const auto& c : s->chunks) {
+        if (!c->needed || c->layers_arrived > l) continue;
+        if (!c->error.ok()) {
+          const absl::StatusCode code = c->error.code();
+          s->error = code == absl::StatusCode::kDeadlineExceeded ||
+                             code == absl::StatusCode::kCancelled
+                         ? c->error  // the deadline, or shutdown
+                         : absl::UnavailableError(absl::StrCat(
+                               "node ", c->node_id,
+                               " failed after the prefix was fixed, before "
+                               "layer ",
+                               l, ": ", c->error.message()));
+        }
+        s->delivering = false;
+        return;
+      }
+    }
+    for (uint32_t b = 0; b < s->blocks.size(); ++b) {
+      if (s->format == ReadFormat::kRaw) {
+        absl::Span<uint16_t> out =
+            absl::MakeSpan(s->decoded[b])
+                .subspan(size_t{l} * 2 * s->section, 2 * s->section);
+        absl::Status st = DecodeRawLayer(s->shape, s->blocks[b], l, out);
+        if (!st.ok()) {
+          absl::MutexLock lock(&s->mu);
+          if (s->error.ok()) s->error = st;
+          s->delivering = false;
+          return;
+        }
+      }
+      const uint16_t* layer = s->Layer(b, l);
+      slices[b] = {b, absl::MakeConstSpan(layer, s->section),
+                   absl::MakeConstSpan(layer + s->section, s->section)};
     }
     {
       absl::MutexLock lock(&s->mu);
       if (s->stop) {
-        if (s->error.ok()) s->error = absl::CancelledError("stream cancelled");
+        s->delivering = false;
         return;
       }
       s->in_callback = s->on_layer != nullptr;
@@ -1425,10 +1502,85 @@ void RunLayers(const std::shared_ptr<LayerStream::State>& s) {
     s->in_callback = false;
     if (!st.ok()) {
       if (s->error.ok()) s->error = st;
+      s->delivering = false;
       return;
     }
     s->ready_layers = l + 1;
   }
+}
+
+// Fixes the prefix from the chunks' answers: where each of its blocks is,
+// and (raw reads) how its layers are cut. Then starts delivery.
+void FixPrefix(const std::shared_ptr<StreamState>& s, const StreamPrefix& p,
+               const std::vector<std::pair<uint32_t, uint32_t>>& where) {
+  const size_t fp16_bytes = 4 * s->section * s->num_layers;
+  absl::Status error;
+  {
+    absl::MutexLock lock(&s->mu);
+    s->prefix = p.prefix;
+    s->unavailable = p.unavailable;
+    s->blocks.resize(p.prefix);
+    for (uint32_t b = 0; b < p.prefix && error.ok(); ++b) {
+      StreamChunk& chunk = *s->chunks[where[b].first];
+      const uint32_t position = where[b].second;
+      size_t j = 0;
+      while (j < chunk.metadata.blocks.size() &&
+             chunk.metadata.blocks[j].index != position) {
+        ++j;
+      }
+      if (j == chunk.metadata.blocks.size()) {
+        error = absl::InternalError("a block of the prefix has no placement");
+        break;
+      }
+      const BlockData& meta = chunk.metadata.blocks[j];
+      StreamBlock& block = s->blocks[b];
+      block.chunk = &chunk;
+      block.bytes = chunk.buffer.get() + chunk.placements[j].offset;
+      block.length = chunk.placements[j].length;
+      block.format = meta.format;
+      chunk.needed = true;
+      if (meta.format != ReadFormat::kRaw) {
+        if (block.length != fp16_bytes) {
+          error = absl::DataLossError("fp16 block of the wrong size");
+        }
+        continue;
+      }
+      absl::StatusOr<CodecPolicy> policy =
+          BlockPolicy(chunk.metadata.policy, meta.codec);
+      if (!policy.ok()) {
+        error = policy.status();
+        break;
+      }
+      block.policy = *std::move(policy);
+      BlockShape one = s->shape;
+      one.num_layers = 1;
+      block.offsets.push_back(0);
+      for (uint32_t l = 0; l < s->num_layers; ++l) {
+        block.offsets.push_back(
+            block.offsets.back() +
+            kernels::EncodedBlockBytes(one,
+                                       LayerPolicy(s->shape, block.policy, l)));
+      }
+      if (block.offsets.back() != block.length) {
+        error = absl::DataLossError(
+            absl::StrCat("raw block ", b, " has ", block.length,
+                         " bytes; expected ", block.offsets.back()));
+      }
+    }
+    if (error.ok() && s->format == ReadFormat::kRaw) {
+      s->decoded.resize(p.prefix);
+      for (auto& d : s->decoded) d.resize(2 * s->section * s->num_layers);
+    }
+    if (!error.ok()) {
+      s->blocks.clear();
+      s->prefix = 0;
+      if (s->error.ok()) s->error = error;
+    } else if (p.prefix == 0) {
+      s->ready_layers = s->num_layers;  // nothing cached: trivially ready
+    }
+    s->fetched = true;
+  }
+  MaybeDeliver(s);
 }
 
 }  // namespace
@@ -1451,10 +1603,7 @@ LayerStream::~LayerStream() {
 }
 
 void LayerStream::Cancel() {
-  {
-    absl::MutexLock lock(&state_->mu);
-    state_->stop = true;
-  }
+  state_->Stop(absl::CancelledError("stream cancelled"));
   state_->cancel->Cancel();
 }
 
@@ -1489,18 +1638,16 @@ absl::Span<const uint16_t> LayerStream::K(uint32_t block,
                                           uint32_t layer) const {
   State* s = state_.get();
   absl::MutexLock lock(&s->mu);
-  if (layer >= s->ready_layers || block >= s->prefix) return {};
-  return absl::MakeConstSpan(s->blocks[block])
-      .subspan(size_t{layer} * 2 * s->section, s->section);
+  if (layer >= s->ready_layers || block >= s->blocks.size()) return {};
+  return absl::MakeConstSpan(s->Layer(block, layer), s->section);
 }
 
 absl::Span<const uint16_t> LayerStream::V(uint32_t block,
                                           uint32_t layer) const {
   State* s = state_.get();
   absl::MutexLock lock(&s->mu);
-  if (layer >= s->ready_layers || block >= s->prefix) return {};
-  return absl::MakeConstSpan(s->blocks[block])
-      .subspan((size_t{layer} * 2 + 1) * s->section, s->section);
+  if (layer >= s->ready_layers || block >= s->blocks.size()) return {};
+  return absl::MakeConstSpan(s->Layer(block, layer) + s->section, s->section);
 }
 
 uint32_t LayerStream::unavailable_keys() const {
@@ -1518,42 +1665,181 @@ std::unique_ptr<LayerStream> ClusterClient::GetLayerwise(
     state->Fail(ns.status());
     return stream;
   }
-  const BlockShape& shape = (*ns)->spec.shape;
+  std::shared_ptr<const Namespace> space = *ns;
+  const BlockShape& shape = space->spec.shape;
+  state->shape = shape;
   state->num_layers = shape.num_layers;
   state->section =
       size_t{shape.tokens_per_block} * shape.num_kv_heads * shape.head_dim;
   state->format = options.format;
   state->on_layer = std::move(options.on_layer);
+  state->work = work_.get();
   const absl::Time deadline = Deadline(options.call);
   state->wait_bound = deadline + options.local_work_budget;
+  if (absl::Status s = ValidateKeys(keys); !s.ok()) {
+    state->Fail(s);
+    return stream;
+  }
   if (options.call.cancel != nullptr) {
     std::weak_ptr<LayerStream::State> weak = state;
     state->caller_cancel = options.call.cancel;
     state->caller_cancel_id = options.call.cancel->AddCallback([weak] {
       if (auto s = weak.lock()) {
-        {
-          absl::MutexLock lock(&s->mu);
-          s->stop = true;
-        }
+        s->Stop(absl::CancelledError("cancelled by the caller"));
         s->cancel->Cancel();
       }
     });
   }
-  GetAsyncAt(
-      ns_name, std::move(keys), options.format, deadline, state->cancel,
-      [this, state](absl::StatusOr<ClusterGetResult> r) {
-        if (!r.ok()) return state->Fail(r.status());
-        state->result = *std::move(r);
-        {
-          absl::MutexLock lock(&state->mu);
-          state->prefix = state->result.prefix_blocks;
-          state->unavailable = state->result.unavailable_keys;
-          state->fetched = true;
+  {
+    absl::MutexLock lock(&state->mu);
+    if (state->stop) return stream;  // cancelled already
+  }
+
+  // Chunks per owner; `where[i]`: key i's chunk and position in it.
+  const size_t n = keys.size();
+  auto shared_keys =
+      std::make_shared<const std::vector<std::string>>(std::move(keys));
+  auto where = std::make_shared<std::vector<std::pair<uint32_t, uint32_t>>>(
+      n, std::make_pair(0u, 0u));
+  struct Task {
+    std::shared_ptr<NodeState> node;
+    uint64_t epoch;
+    std::shared_ptr<StreamChunk> chunk;
+  };
+  std::vector<Task> tasks;
+  const size_t stride = (space->fp16_block_bytes + 63) / 64 * 64;
+  for (NodePlan& plan : PlanByOwner(
+           *Members(), n,
+           [&](size_t i) { return absl::string_view((*shared_keys)[i]); },
+           options_.routing_prefix_bytes, options_.rpc_timeout)) {
+    for (std::vector<uint32_t>& indices :
+         Chunks(plan.indices, space->chunk_blocks)) {
+      auto chunk = std::make_shared<StreamChunk>();
+      chunk->node_id = plan.node->id;
+      for (uint32_t j = 0; j < indices.size(); ++j) {
+        (*where)[indices[j]] = {static_cast<uint32_t>(state->chunks.size()), j};
+      }
+      chunk->indices = std::move(indices);
+      chunk->stride = stride;
+      chunk->buffer.reset(new uint8_t[chunk->indices.size() * stride]);
+      state->chunks.push_back(chunk);
+      tasks.push_back({plan.node, plan.epoch, std::move(chunk)});
+    }
+  }
+
+  struct Partial {
+    std::vector<uint8_t> state;
+    std::optional<absl::Status> error;
+  };
+  using C = Call<Partial, StreamPrefix>;
+  auto call = std::make_shared<C>(
+      deadline, /*wait_for_tasks=*/false,
+      Partial{std::vector<uint8_t>(n, kUnknown), std::nullopt},
+      [this](Partial& p) -> absl::StatusOr<StreamPrefix> {
+        if (p.error.has_value()) return *p.error;
+        StreamPrefix r;
+        while (r.prefix < p.state.size() && p.state[r.prefix] == kFound) {
+          ++r.prefix;
         }
-        if (!work_->Submit([state] { RunLayers(state); })) {
-          state->Fail(absl::CancelledError("ClusterClient is shutting down"));
+        r.unavailable = static_cast<uint32_t>(
+            std::count(p.state.begin(), p.state.end(), kUnknown));
+        unavailable_keys_.fetch_add(r.unavailable);
+        return r;
+      },
+      [state, where](absl::StatusOr<StreamPrefix> r) {
+        if (!r.ok()) return state->Fail(r.status());
+        FixPrefix(state, *r, *where);
+      });
+  Arm(call, state->cancel);
+  for (Task& t : tasks) {
+    call->AddTask();
+    auto task = [this, call, state, space, shared_keys, format = options.format,
+                 node = t.node, epoch = t.epoch, chunk = t.chunk] {
+      std::vector<std::string> sub;
+      for (uint32_t i : chunk->indices) sub.push_back((*shared_keys)[i]);
+      absl::StatusOr<std::unique_ptr<PendingRead>> read;
+      absl::Status st = absl::CancelledError("node marked down");
+      if (StillUsable(*node, epoch)) {
+        ReadOptions read_options;
+        read_options.format = format;
+        read_options.allow_missing = true;
+        // Not the call's cancel: a stopped stream lets its transfers run
+        // out (bounded by their deadline) rather than close a connection
+        // that other calls share.
+        st = RunOnNode(
+            *node, epoch, *space, call->stop(), call->deadline(),
+            shutdown_cancel_, RunFlags{true, /*reregister_on_not_found=*/true},
+            [&](const CallOptions& rpc) {
+              read = node->client->GetInto(
+                  space->spec.name, sub, read_options,
+                  absl::MakeSpan(chunk->buffer.get(),
+                                 chunk->indices.size() * chunk->stride),
+                  chunk->stride, rpc);
+              return read.status();
+            });
+      }
+      GetResult metadata;
+      bool all_missing = false;
+      if (IsMiss(st.code())) {  // a node that predates allow_missing
+        all_missing = true;
+        st = absl::OkStatus();
+      } else if (st.ok()) {
+        metadata = (*read)->metadata();
+        const BlockShape& got = metadata.shape;
+        const BlockShape& want = space->spec.shape;
+        // Not the layout this client knows: unusable.
+        all_missing = !metadata.blocks.empty() &&
+                      (got.num_layers != want.num_layers ||
+                       got.tokens_per_block != want.tokens_per_block ||
+                       got.num_kv_heads != want.num_kv_heads ||
+                       got.head_dim != want.head_dim);
+        // Recorded before TaskDone: the prefix may be fixed inside it.
+        absl::MutexLock lock(&state->mu);
+        chunk->metadata = metadata;
+        chunk->placements = (*read)->placements();
+      }
+      call->TaskDone([&](Partial& p) {
+        if (!st.ok()) {
+          if (IsCallerError(st.code()) && !p.error.has_value()) p.error = st;
+          return;  // unknown: unavailable
+        }
+        if (all_missing) {
+          for (uint32_t i : chunk->indices) p.state[i] = kMiss;
+          return;
+        }
+        for (uint32_t j : metadata.missing) p.state[chunk->indices[j]] = kMiss;
+        for (const BlockData& b : metadata.blocks) {
+          p.state[chunk->indices[b.index]] = kFound;
         }
       });
+      if (!st.ok() || all_missing || metadata.blocks.empty()) return;
+      // Layer by layer until the transfer ends, also when the stream no
+      // longer needs it (the buffer must outlive the transfer).
+      const uint32_t layers = (*read)->num_layers();
+      for (uint32_t l = 0; l < layers; ++l) {
+        absl::Status arrived = (*read)->WaitLayer(l);
+        {
+          absl::MutexLock lock(&state->mu);
+          if (arrived.ok()) {
+            chunk->layers_arrived = l + 1;
+          } else {
+            chunk->error = arrived;
+          }
+        }
+        MaybeDeliver(state);
+        if (!arrived.ok()) {
+          if (IsNodeFailure(arrived.code()) && !shutting_down_->load() &&
+              MarkDown(*node, epoch, options_.node_backoff_initial,
+                       options_.node_backoff_max)) {
+            node_failures_.fetch_add(1);
+          }
+          return;
+        }
+      }
+    };
+    if (!Submit(t.node, std::move(task))) call->TaskDone([](Partial&) {});
+  }
+  call->TaskDone([](Partial&) {});
   return stream;
 }
 

@@ -295,8 +295,18 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   absl::StatusOr<store::ReadResult> r = store_->BeginRead(
       request->namespace_name(), Keys(request->keys()), format,
       Millis(request->lease_ttl_ms()), request->pin_lease_id(),
-      /*keep_lease=*/true, /*in_place=*/true);
+      /*keep_lease=*/true, request->allow_missing(), /*in_place=*/true);
   if (!r.ok()) return r.status();
+  for (uint32_t m : r->missing) response->add_missing(m);
+  if (r->blocks.empty()) {
+    // Nothing to move (every key missing): no data-plane session.
+    store_->EndLease(r->lease_id).IgnoreError();
+    proto::PolicyToProto(r->ns.config.policy, response->mutable_codec_policy());
+    response->mutable_codec_policy()->set_residual_tokens(
+        r->ns.config.residual_tokens);
+    proto::ShapeToProto(r->ns.config.shape, response->mutable_layout());
+    return absl::OkStatus();
+  }
   // Blocks read in place are put from the pinned arena pages: only copies
   // (decoded blocks, or every block of a device arena) hold staging.
   uint64_t copied = 0;
@@ -347,8 +357,9 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
     absl::StatusOr<store::ReadResult> r = store_->BeginRead(
         request->namespace_name(), Keys(request->keys()), format,
         Millis(request->lease_ttl_ms()), request->pin_lease_id(),
-        /*keep_lease=*/false);
+        /*keep_lease=*/false, request->allow_missing());
     if (!r.ok()) return r.status();
+    for (uint32_t m : r->missing) response->add_missing(m);
     uint64_t bytes = 0;
     for (store::ReadBlock& block : r->blocks) {
       v1::BlockData* out = response->add_blocks();

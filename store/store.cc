@@ -1137,12 +1137,10 @@ bool Store::Reencode(const ReencodeJob& job) {
 
 // --------------------------------------------------------------------- read
 
-absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
-                                            absl::Span<const std::string> keys,
-                                            ReadFormat format,
-                                            absl::Duration ttl,
-                                            uint64_t pin_lease_id,
-                                            bool keep_lease, bool in_place) {
+absl::StatusOr<ReadResult> Store::BeginRead(
+    const std::string& ns_name, absl::Span<const std::string> keys,
+    ReadFormat format, absl::Duration ttl, uint64_t pin_lease_id,
+    bool keep_lease, bool allow_missing, bool in_place) {
   if (absl::Status s = ValidateKeys(keys, options_.max_blocks_per_request);
       !s.ok()) {
     return s;
@@ -1157,8 +1155,11 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
           "pin lease is unknown or has expired");
     }
   }
+  ReadResult result;
   std::vector<Entry*> entries;
+  std::vector<uint32_t> positions;  // of entries[j] in keys
   entries.reserve(keys.size());
+  positions.reserve(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
     KeyRef ref = MakeKeyRef(ns->id, keys[i]);
     Shard& shard = ShardOf(ref);
@@ -1172,95 +1173,22 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
       }
     }
     if (entry == nullptr) {
+      if (allow_missing) {
+        result.missing.push_back(static_cast<uint32_t>(i));
+        continue;
+      }
       UnpinAll(entries);
       return absl::NotFoundError(absl::StrCat("block ", i, " is not stored"));
     }
     entries.push_back(entry);
+    positions.push_back(static_cast<uint32_t>(i));
   }
   if (pin_lease_id != 0) ReleaseReadLease(pin_lease_id);
 
-  ReadResult result;
-  result.ns = ns->info;
-  // Pinned pages are immutable and never reused, so they are read unlocked.
-  const kernels::BlockShape& shape = ns->info.config.shape;
-  std::vector<uint8_t> stored;
-  absl::Status status;
-  size_t failed = 0;
-  for (size_t i = 0; i < entries.size() && status.ok(); ++i) {
-    Entry* entry = entries[i];
-    const bool residual = entry->is(kResidual);
-    const kernels::CodecPolicy& policy =
-        residual ? ns->residual_policy : ns->info.config.policy;
-    const size_t payload_bytes =
-        residual ? ns->info.fp16_block_bytes : ns->info.encoded_block_bytes;
-    ReadBlock block;
-    block.key = keys[i];
-    block.codec = policy.codec;
-    const uint8_t* base = arena_->host_base();
-    if (in_place && keep_lease && base != nullptr &&
-        (format == ReadFormat::kRaw || policy.codec == kernels::Codec::kNone)) {
-      // Verified where it lies: one pass over the pages (the checksum), no
-      // copy. The pin keeps the pages as they are until the lease ends.
-      XXH3_state_t hash_state;
-      XXH3_64bits_reset(&hash_state);
-      status = pool_.ForEachRun(
-          entry->pages, payload_bytes, [&](uint64_t offset, size_t, size_t n) {
-            block.spans.emplace_back(base + offset, n);
-            XXH3_64bits_update(&hash_state, base + offset, n);
-            return absl::OkStatus();
-          });
-      BlockHeader header;
-      if (status.ok()) status = ReadHeader(entry->pages.first, &header);
-      if (!status.ok()) break;
-      status = VerifyBlockMetadata(header, shape, policy, ns->info.fingerprint,
-                                   keys[i], block.size(),
-                                   XXH3_64bits_digest(&hash_state));
-      if (!status.ok()) {
-        failed = i;
-        status = absl::DataLossError(absl::StrCat(
-            "block ", i, ": ", status.message(), "; the block was dropped"));
-        break;
-      }
-      result.blocks.push_back(std::move(block));
-      continue;
-    }
-    // A raw read gathers straight into the reply; an fp16 read gathers into
-    // scratch and decodes into the reply. Either way, one copy of the pages.
-    absl::Span<uint8_t> payload;
-    if (format == ReadFormat::kRaw) {
-      block.data.resize(payload_bytes);
-      payload = absl::MakeSpan(reinterpret_cast<uint8_t*>(block.data.data()),
-                               payload_bytes);
-    } else {
-      stored.resize(payload_bytes);
-      payload = absl::MakeSpan(stored);
-    }
-    BlockHeader header;
-    status = pool_.Gather(entry->pages, payload);
-    if (status.ok()) status = ReadHeader(entry->pages.first, &header);
-    if (!status.ok()) break;
-    status = VerifyBlock(header, shape, policy, ns->info.fingerprint, keys[i],
-                         payload);
-    if (!status.ok()) {
-      failed = i;
-      status = absl::DataLossError(absl::StrCat(
-          "block ", i, ": ", status.message(), "; the block was dropped"));
-      break;
-    }
-    if (format == ReadFormat::kFp16) {
-      block.data.resize(ns->info.fp16_block_bytes);
-      status = kernels::DecodeBlock(
-          shape, policy, stored,
-          absl::MakeSpan(reinterpret_cast<uint16_t*>(block.data.data()),
-                         block.data.size() / 2));
-      if (!status.ok()) break;
-    }
-    result.blocks.push_back(std::move(block));
-  }
-
-  if (status.code() == absl::StatusCode::kDataLoss) {
+  // Drops a block that failed verification (it stays pinned by this read;
+  // its pages are freed at the last unpin).
+  auto drop = [this](Entry* bad) {
     ++data_loss_events_;
-    Entry* bad = entries[failed];
     Entry* parent = nullptr;
     {
       Shard& shard = shards_[bad->shard];
@@ -1271,7 +1199,97 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
       }
     }
     UnlinkParent(parent);
+  };
+
+  result.ns = ns->info;
+  // Pinned pages are immutable and never reused, so they are read unlocked.
+  const kernels::BlockShape& shape = ns->info.config.shape;
+  std::vector<uint8_t> stored;
+  absl::Status status;
+  for (size_t j = 0; j < entries.size() && status.ok(); ++j) {
+    Entry* entry = entries[j];
+    const std::string& key = keys[positions[j]];
+    const bool residual = entry->is(kResidual);
+    const kernels::CodecPolicy& policy =
+        residual ? ns->residual_policy : ns->info.config.policy;
+    const size_t payload_bytes =
+        residual ? ns->info.fp16_block_bytes : ns->info.encoded_block_bytes;
+    ReadBlock block;
+    block.key = key;
+    block.codec = policy.codec;
+    // In place (see the header): verified where it lies, one pass over the
+    // pages (the checksum) and no copy; the pin keeps the pages as they are
+    // until the lease ends. Otherwise a raw read gathers straight into the
+    // reply and an fp16 read gathers into scratch and decodes into the
+    // reply: one copy of the pages either way.
+    const uint8_t* base = arena_->host_base();
+    const bool here =
+        in_place && keep_lease && base != nullptr &&
+        (format == ReadFormat::kRaw || policy.codec == kernels::Codec::kNone);
+    BlockHeader header;
+    absl::Status verified;
+    if (here) {
+      XXH3_state_t hash_state;
+      XXH3_64bits_reset(&hash_state);
+      status = pool_.ForEachRun(
+          entry->pages, payload_bytes, [&](uint64_t offset, size_t, size_t n) {
+            block.spans.emplace_back(base + offset, n);
+            XXH3_64bits_update(&hash_state, base + offset, n);
+            return absl::OkStatus();
+          });
+      if (status.ok()) status = ReadHeader(entry->pages.first, &header);
+      if (!status.ok()) break;
+      verified =
+          VerifyBlockMetadata(header, shape, policy, ns->info.fingerprint, key,
+                              block.size(), XXH3_64bits_digest(&hash_state));
+    } else {
+      absl::Span<uint8_t> payload;
+      if (format == ReadFormat::kRaw) {
+        block.data.resize(payload_bytes);
+        payload = absl::MakeSpan(reinterpret_cast<uint8_t*>(block.data.data()),
+                                 payload_bytes);
+      } else {
+        stored.resize(payload_bytes);
+        payload = absl::MakeSpan(stored);
+      }
+      status = pool_.Gather(entry->pages, payload);
+      if (status.ok()) status = ReadHeader(entry->pages.first, &header);
+      if (!status.ok()) break;
+      verified = VerifyBlock(header, shape, policy, ns->info.fingerprint, key,
+                             payload);
+    }
+    if (!verified.ok()) {
+      drop(entry);
+      if (!allow_missing) {
+        status = absl::DataLossError(absl::StrCat("block ", positions[j], ": ",
+                                                  verified.message(),
+                                                  "; the block was dropped"));
+        break;
+      }
+      // A miss like any other: this read no longer holds it.
+      {
+        Shard& shard = shards_[entry->shard];
+        MutexLock lock(&shard.mu);
+        Unpin(shard, entry);
+      }
+      entries[j] = nullptr;
+      result.missing.push_back(positions[j]);
+      continue;
+    }
+    if (!here && format == ReadFormat::kFp16) {
+      block.data.resize(ns->info.fp16_block_bytes);
+      status = kernels::DecodeBlock(
+          shape, policy, stored,
+          absl::MakeSpan(reinterpret_cast<uint16_t*>(block.data.data()),
+                         block.data.size() / 2));
+      if (!status.ok()) break;
+    }
+    result.blocks.push_back(std::move(block));
   }
+  entries.erase(std::remove(entries.begin(), entries.end(), nullptr),
+                entries.end());
+  std::sort(result.missing.begin(), result.missing.end());
+
   if (!status.ok() || !keep_lease) {
     UnpinAll(entries);
     if (!status.ok()) return status;

@@ -151,7 +151,11 @@ struct ReadBlock {
 
 struct ReadResult {
   uint64_t lease_id = 0;  // 0 when the read was completed inline
+  // In the order of the keys asked for; with allow_missing, only those read.
   std::vector<ReadBlock> blocks;
+  // allow_missing only: positions (ascending) of the keys not read, because
+  // they are not stored or their block failed verification and was dropped.
+  std::vector<uint32_t> missing;
   NamespaceInfo ns;
 };
 
@@ -253,9 +257,14 @@ class Store {
   absl::Status StageBlock(uint64_t write_id, uint32_t index,
                           absl::Span<const uint8_t> fp16);
 
-  // Pins the blocks of `keys` (all must be stored: NOT_FOUND names the first
-  // missing one), verifies and copies them out. With keep_lease == false the
-  // pins are released before returning and lease_id is 0.
+  // Pins the blocks of `keys`, verifies and copies them out. With
+  // keep_lease == false the pins are released before returning and lease_id
+  // is 0. Without allow_missing every key must be stored (NOT_FOUND names
+  // the first missing one) and verify (DATA_LOSS drops the block and fails
+  // the read). With allow_missing the read returns the blocks that are
+  // stored and verify, and lists the others in ReadResult::missing (a block
+  // that fails verification is dropped and counted as data loss all the
+  // same); a lease is kept even when no block was read.
   // in_place (with keep_lease, on a host arena): a block whose answer is its
   // stored bytes (a raw read, or an fp16 block read as fp16) is verified
   // where it lies and returned as spans of the arena instead of a copy;
@@ -265,6 +274,7 @@ class Store {
                                        absl::Span<const std::string> keys,
                                        ReadFormat format, absl::Duration ttl,
                                        uint64_t pin_lease_id, bool keep_lease,
+                                       bool allow_missing = false,
                                        bool in_place = false);
   // Ends a read lease or a Lookup pin. NOT_FOUND for an unknown or expired id.
   absl::Status EndLease(uint64_t lease_id);

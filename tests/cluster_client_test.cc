@@ -3,10 +3,6 @@
 // cancellation, async calls and layer-wise reads.
 #include "kvcache/cluster_client.h"
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -22,12 +18,15 @@
 #include "client/rendezvous.h"
 #include "gtest/gtest.h"
 #include "kvcache/block_hash.h"
+#include "service/metrics.h"
 #include "service/node.h"
+#include "tests/black_hole.h"
 #include "tests/test_util.h"
 
 namespace kvcache {
 namespace {
 
+using kvcache::testing::BlackHole;
 using kvcache::testing::RandomBlock;
 
 // --- Rendezvous hashing ----------------------------------------------------
@@ -122,31 +121,6 @@ TEST(ResolveTest, LocalhostAndErrors) {
 
 constexpr int kBlocksPerChain = 12;
 
-// A TCP listener that never accepts: a hung node (connect succeeds, no RPC
-// ever answers).
-class BlackHole {
- public:
-  BlackHole() {
-    fd_ = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = 0;
-    socklen_t len = sizeof(addr);
-    if (bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-        listen(fd_, 64) == 0 &&
-        getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-      port_ = ntohs(addr.sin_port);
-    }
-  }
-  ~BlackHole() { close(fd_); }
-  int port() const { return port_; }
-
- private:
-  int fd_ = -1;
-  int port_ = 0;
-};
-
 class ClusterTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -167,6 +141,11 @@ class ClusterTest : public ::testing::Test {
     options.max_request_bytes = 4 << 20;
     options.drain_timeout = absl::Seconds(2);
     options.worker_threads = 2;
+    if (ucx_) {
+      options.data_plane = service::DataPlaneMode::kUcx;
+      options.ucx.listen = "127.0.0.1:0";
+      options.ucx.staging_bytes = 64 << 20;
+    }
     auto node = std::make_unique<service::Node>(options);
     absl::Status st = node->Start();
     EXPECT_TRUE(st.ok()) << st;
@@ -251,6 +230,26 @@ class ClusterTest : public ::testing::Test {
     return static_cast<uint32_t>(keys.size());
   }
 
+  static NodeStatus StatusOf(const ClusterClient& cc, const std::string& id) {
+    for (const NodeStatus& n : cc.Nodes()) {
+      if (n.id == id) return n;
+    }
+    return NodeStatus{};
+  }
+
+  // A call that timed out on a hung node marks it down (when its RPC ends,
+  // which may be just after the call returned): waits (bounded) for that,
+  // then for its backoff to pass, so that the next call probes it.
+  static void AwaitProbe(const ClusterClient& cc, const std::string& id) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(5);
+    while (StatusOf(cc, id).up && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    absl::SleepFor(std::max(absl::ZeroDuration(),
+                            StatusOf(cc, id).retry_at - absl::Now()) +
+                   absl::Milliseconds(10));
+  }
+
   void ExpectBytes(const ClusterGetResult& r,
                    const std::vector<std::string>& keys) {
     ASSERT_EQ(r.read.blocks.size(), r.prefix_blocks);
@@ -265,6 +264,7 @@ class ClusterTest : public ::testing::Test {
     }
   }
 
+  bool ucx_ = false;  // nodes run the UCX data plane
   std::vector<std::unique_ptr<service::Node>> nodes_;
   std::vector<int> ports_;
 };
@@ -606,6 +606,7 @@ TEST_F(ClusterTest, CancellationCompletesAtOnce) {
   EXPECT_EQ(
       cc->RegisterNamespace(Spec("ns", Codec::kNone), quick).status().code(),
       absl::StatusCode::kUnavailable);
+  AwaitProbe(*cc, hung);
 
   CallOptions call;
   call.timeout = absl::Seconds(30);
@@ -883,6 +884,7 @@ TEST_F(ClusterTest, LayerwiseStopsAtAnOnLayerErrorAndOnCancel) {
   CallOptions quick;
   quick.timeout = absl::Milliseconds(100);
   hung->RegisterNamespace(Spec("ns", Codec::kNone), quick).IgnoreError();
+  AwaitProbe(*hung, absl::StrCat("127.0.0.1:", hole.port()));
   LayerwiseOptions slow;
   slow.call.timeout = absl::Seconds(30);
   slow.call.cancel = std::make_shared<CancelToken>();
@@ -901,6 +903,235 @@ TEST_F(ClusterTest, LayerwiseStopsAtAnOnLayerErrorAndOnCancel) {
   auto unknown = cc->GetLayerwise("nope", keys, {});
   EXPECT_EQ(unknown->WaitLayer(0).status().code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// The call's deadline and cancel token reach the RPCs in flight: a Put to a
+// hung node ends at its deadline (not rpc_timeout later) and at once when
+// cancelled; a cancel does not mark the node down, a deadline does.
+TEST_F(ClusterTest, DeadlineAndCancelReachTheRpcsInFlight) {
+  BlackHole hole;
+  ASSERT_GT(hole.port(), 0);
+  const std::string hung = absl::StrCat("127.0.0.1:", hole.port());
+  ClusterOptions o = Options({hung});
+  o.rpc_timeout = absl::Seconds(20);
+  auto cc = Connect(o);
+  ASSERT_NE(cc, nullptr);
+  CallOptions quick;
+  quick.timeout = absl::Milliseconds(200);
+  // Registration times out: the spec is kept, the node marked down.
+  EXPECT_EQ(
+      cc->RegisterNamespace(Spec("ns", Codec::kNone), quick).status().code(),
+      absl::StatusCode::kUnavailable);
+  auto hung_status = [&] { return StatusOf(*cc, hung); };
+  AwaitProbe(*cc, hung);
+  EXPECT_EQ(hung_status().consecutive_failures, 1)
+      << "an RPC past its deadline marks the node down";
+
+  // Cancelled while the BeginWrite hangs: completes at once, no mark-down.
+  const int failures = hung_status().consecutive_failures;
+  CallOptions call;
+  call.timeout = absl::Seconds(30);
+  call.cancel = std::make_shared<CancelToken>();
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(150));
+    call.cancel->Cancel();
+  });
+  absl::Time start = absl::Now();
+  auto put = PutChain(*cc, "ns", Chain(2, 1), call);
+  absl::Duration took = absl::Now() - start;
+  canceller.join();
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kCancelled);
+  EXPECT_LT(took, absl::Seconds(1)) << "the Put waited for its RPC in flight";
+  EXPECT_EQ(hung_status().consecutive_failures, failures)
+      << "a cancel is not the node's failure";
+  EXPECT_LE(hung_status().retry_at, absl::Now())
+      << "a cancelled probe lets the next call probe again";
+
+  // The deadline: the Put ends with it, rpc_timeout (20 s) notwithstanding.
+  CallOptions short_call;
+  short_call.timeout = absl::Milliseconds(300);
+  start = absl::Now();
+  put = PutChain(*cc, "ns", Chain(2, 1), short_call);
+  took = absl::Now() - start;
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->unavailable, 1u);
+  EXPECT_GE(took, absl::Milliseconds(250)) << "the node was probed";
+  EXPECT_LT(took, absl::Milliseconds(1300));
+  EXPECT_EQ(hung_status().consecutive_failures, failures + 1);
+}
+
+// Over the UCX data plane, a layer-wise read fetches each node's blocks
+// with Client::GetInto, layer by layer, into the stream's buffers; the
+// layers equal the nodes' own fp16 decode bit for bit, in both formats.
+class ClusterUcxTest : public ClusterTest {
+ protected:
+  void SetUp() override {
+    setenv("UCX_TLS", "tcp", 1);
+    setenv("UCX_NET_DEVICES", "lo", 1);
+    ucx_ = true;
+    ClusterTest::SetUp();
+  }
+
+  ClusterOptions UcxOptions() {
+    ClusterOptions o = Options({Id(0), Id(1), Id(2)});
+    o.data_plane = DataPlane::kUcx;
+    o.max_message_bytes = 32 << 20;
+    return o;
+  }
+
+  uint64_t TransferBytes(int node, const std::string& direction,
+                         const std::string& transport) {
+    const std::string metrics = nodes_[node]->metrics()->Render();
+    const std::string series =
+        absl::StrCat("kvcache_transfer_bytes_total{direction=\"", direction,
+                     "\",transport=\"", transport, "\"} ");
+    size_t at = metrics.find(series);
+    if (at == std::string::npos) return 0;
+    return std::stoull(metrics.substr(at + series.size()));
+  }
+};
+
+TEST_F(ClusterUcxTest, LayerwiseGetTravelsLayerByLayerOverUcx) {
+  auto cc = Connect(UcxOptions());
+  ASSERT_NE(cc, nullptr);
+  const BlockShape shape{6, 4, 64, 32};  // 192 KiB of fp16 per block
+  const std::vector<std::string> keys = Chain(50, 24);
+  std::set<std::string> owners;
+  for (const std::string& k : keys) owners.insert(cc->OwnerOf(k));
+  ASSERT_GE(owners.size(), 2u) << "24 keys on one of three nodes";
+  uint64_t grpc_out_before = 0;
+  for (int i = 0; i < 3; ++i)
+    grpc_out_before += TransferBytes(i, "out", "grpc");
+  for (Codec codec : {Codec::kNone, Codec::kFp8E4M3, Codec::kKivi2}) {
+    NamespaceSpec spec =
+        Spec(absl::StrCat("lw-ucx-", kernels::CodecName(codec)), codec, shape);
+    SCOPED_TRACE(spec.name);
+    ASSERT_TRUE(cc->RegisterNamespace(spec).ok());
+    std::vector<std::vector<uint16_t>> data;
+    for (const std::string& k : keys) data.push_back(Data(k, shape));
+    std::vector<BlockWrite> writes;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      writes.push_back({keys[i], "", data[i]});
+    }
+    auto put = cc->Put(spec.name, writes);
+    ASSERT_TRUE(put.ok()) << put.status();
+    ASSERT_EQ(put->stored, keys.size());
+    auto node_fp16 = cc->Get(spec.name, keys, ReadFormat::kFp16);
+    ASSERT_TRUE(node_fp16.ok()) << node_fp16.status();
+    ASSERT_EQ(node_fp16->prefix_blocks, keys.size());
+    const size_t section = size_t{32} * 4 * 64;
+    for (ReadFormat format : {ReadFormat::kFp16, ReadFormat::kRaw}) {
+      absl::Mutex mu;
+      std::vector<uint32_t> order;
+      LayerwiseOptions options;
+      options.format = format;
+      options.on_layer = [&](uint32_t layer,
+                             absl::Span<const LayerSlice> blocks) {
+        absl::MutexLock lock(&mu);
+        order.push_back(layer);
+        return blocks.size() == keys.size()
+                   ? absl::OkStatus()
+                   : absl::InternalError("wrong block count");
+      };
+      // Two keys more than are cached: the prefix stops at 24.
+      auto stream = cc->GetLayerwise(spec.name, Chain(50, 26), options);
+      for (uint32_t l = 0; l < shape.num_layers; ++l) {
+        auto r = stream->WaitLayer(l);
+        ASSERT_TRUE(r.ok()) << r.status();
+        ASSERT_EQ(*r, keys.size());
+        for (uint32_t b = 0; b < keys.size(); ++b) {
+          const uint16_t* want = reinterpret_cast<const uint16_t*>(
+                                     node_fp16->read.blocks[b].bytes.data()) +
+                                 size_t{l} * 2 * section;
+          absl::Span<const uint16_t> k = stream->K(b, l);
+          absl::Span<const uint16_t> v = stream->V(b, l);
+          ASSERT_EQ(k.size(), section);
+          ASSERT_EQ(v.size(), section);
+          ASSERT_EQ(std::memcmp(k.data(), want, section * 2), 0)
+              << "K layer " << l << " block " << b;
+          ASSERT_EQ(std::memcmp(v.data(), want + section, section * 2), 0)
+              << "V layer " << l << " block " << b;
+        }
+        // Later layers are not visible before their WaitLayer.
+        if (l + 1 < shape.num_layers && stream->K(0, l + 1).empty()) {
+          EXPECT_TRUE(stream->V(0, l + 1).empty());
+        }
+      }
+      EXPECT_EQ(stream->unavailable_keys(), 0u);
+      absl::MutexLock lock(&mu);
+      EXPECT_EQ(order, (std::vector<uint32_t>{0, 1, 2, 3, 4, 5}));
+    }
+  }
+  // Every byte travelled over UCX.
+  uint64_t grpc_out = 0, ucx_out = 0;
+  for (int i = 0; i < 3; ++i) {
+    grpc_out += TransferBytes(i, "out", "grpc");
+    ucx_out += TransferBytes(i, "out", "ucx");
+  }
+  EXPECT_EQ(grpc_out, grpc_out_before);
+  EXPECT_GT(ucx_out, 3u * 2 * 24 * 192 * 1024 / 4);
+  for (const NodeStatus& n : cc->Nodes()) EXPECT_TRUE(n.up) << n.id;
+}
+
+// A stream that is cancelled or dropped mid-transfer lets its transfers run
+// out instead of closing the data-plane connections that other calls share:
+// reads running at the same time succeed and no node is marked down.
+TEST_F(ClusterUcxTest, CancelledStreamsLeaveOtherCallsAndNodesAlone) {
+  auto cc = Connect(UcxOptions());
+  ASSERT_NE(cc, nullptr);
+  const BlockShape shape{6, 4, 64, 32};
+  NamespaceSpec spec = Spec("cancel-ucx", Codec::kNone, shape);
+  ASSERT_TRUE(cc->RegisterNamespace(spec).ok());
+  const std::vector<std::string> keys = Chain(60, 24);
+  std::vector<std::vector<uint16_t>> data;
+  for (const std::string& k : keys) data.push_back(Data(k, shape));
+  std::vector<BlockWrite> writes;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    writes.push_back({keys[i], "", data[i]});
+  }
+  ASSERT_TRUE(cc->Put(spec.name, writes).ok());
+  std::atomic<bool> stop{false};
+  std::atomic<int> reads{0}, bad_reads{0};
+  std::thread reader([&] {
+    while (!stop.load()) {
+      auto got = cc->Get(spec.name, keys);
+      ++reads;
+      if (!got.ok() || got->prefix_blocks != keys.size() ||
+          got->unavailable_keys != 0) {
+        ++bad_reads;
+      }
+    }
+  });
+  for (int i = 0; i < 20; ++i) {
+    LayerwiseOptions options;
+    options.call.cancel = std::make_shared<CancelToken>();
+    auto stream = cc->GetLayerwise(spec.name, keys, options);
+    if (i % 2 == 0) absl::SleepFor(absl::Milliseconds(i));
+    if (i % 3 == 0) {
+      options.call.cancel->Cancel();
+      auto r = stream->WaitLayer(0);
+      EXPECT_TRUE(r.ok() || r.status().code() == absl::StatusCode::kCancelled)
+          << r.status();
+    }
+    // Otherwise dropped as it is.
+  }
+  // One stream read to the end meanwhile.
+  auto stream = cc->GetLayerwise(spec.name, keys, {});
+  for (uint32_t l = 0; l < shape.num_layers; ++l) {
+    auto r = stream->WaitLayer(l);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(*r, keys.size());
+  }
+  EXPECT_EQ(std::memcmp(stream->K(23, 5).data(),
+                        data[23].data() + size_t{5} * 2 * 32 * 4 * 64,
+                        32 * 4 * 64 * 2),
+            0);
+  stop.store(true);
+  reader.join();
+  EXPECT_GT(reads.load(), 0);
+  EXPECT_EQ(bad_reads.load(), 0);
+  for (const NodeStatus& n : cc->Nodes()) EXPECT_TRUE(n.up) << n.id;
+  EXPECT_EQ(cc->counters().node_failures, 0u);
 }
 
 // With routing tags, a chain's segments stay on one node each, so KIVI's

@@ -3,6 +3,7 @@
 // gRPC stub.
 #include "service/node.h"
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
@@ -13,6 +14,7 @@
 #include "kvcache/client.h"
 #include "kvcache/testing/reflection_list.pb.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
+#include "tests/black_hole.h"
 #include "tests/http_get.h"
 #include "tests/test_util.h"
 
@@ -198,6 +200,227 @@ TEST_F(NodeTest, LookupPinIsTakenOverByGet) {
   EXPECT_EQ(node_->store()->Stats().pinned_bytes, 0u);
   EXPECT_EQ(client_->Release(pin->pin_lease).code(),
             absl::StatusCode::kNotFound);
+}
+
+// allow_missing: Get and GetInto return the blocks the node holds intact,
+// list the rest (never stored, or corrupt and dropped), and still refuse
+// bad input.
+TEST_F(NodeTest, AllowMissingReturnsWhatIsThereAndListsTheRest) {
+  ASSERT_TRUE(client_->RegisterNamespace(Spec("ns", Codec::kFp8E4M3)).ok());
+  ASSERT_TRUE(PutChain("ns", 0, 4).ok());
+  ASSERT_TRUE(PutChain("ns", 6, 1).ok());
+  ASSERT_TRUE(node_->store()->CorruptBlockForTest("ns", Key(2)).ok());
+  ReadOptions partial;
+  partial.allow_missing = true;
+  // Keys 0..7: 2 is corrupt, 4, 5 and 7 were never stored.
+  const std::vector<uint32_t> missing = {2, 4, 5, 7};
+  const std::vector<uint32_t> found = {0, 1, 3, 6};
+  for (ReadFormat format : {ReadFormat::kFp16, ReadFormat::kRaw}) {
+    partial.format = format;
+    auto got = client_->Get("ns", Keys(0, 8), partial);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->missing, missing);
+    EXPECT_EQ(got->prefix_blocks(), 2u);
+    ASSERT_EQ(got->blocks.size(), found.size());
+    // The same bytes as a plain read of each key alone.
+    for (size_t j = 0; j < found.size(); ++j) {
+      const BlockData& b = got->blocks[j];
+      EXPECT_EQ(b.index, found[j]);
+      EXPECT_EQ(b.key, Key(found[j]));
+      auto alone = client_->Get("ns", Keys(found[j], 1), format);
+      ASSERT_TRUE(alone.ok()) << alone.status();
+      EXPECT_EQ(b.bytes, alone->blocks[0].bytes) << "key " << found[j];
+    }
+  }
+  EXPECT_EQ(node_->store()->Stats().data_loss_events, 1u);
+
+  // Into caller memory (inline here): found blocks in their keys' slots,
+  // missing slots untouched.
+  const size_t stride = kernels::Fp16BlockBytes(SmallShape());
+  std::vector<uint8_t> buffer(8 * stride, 0xEE);
+  partial.format = ReadFormat::kFp16;
+  auto into = client_->GetInto("ns", Keys(0, 8), partial,
+                               absl::MakeSpan(buffer), stride);
+  ASSERT_TRUE(into.ok()) << into.status();
+  ASSERT_TRUE((*into)->Wait().ok());
+  EXPECT_EQ((*into)->metadata().missing, missing);
+  ASSERT_EQ((*into)->placements().size(), found.size());
+  auto reference = client_->Get("ns", Keys(0, 2), ReadFormat::kFp16);
+  ASSERT_TRUE(reference.ok());
+  for (size_t j = 0; j < found.size(); ++j) {
+    const BlockPlacement& p = (*into)->placements()[j];
+    EXPECT_EQ(p.offset, found[j] * stride);
+    EXPECT_EQ(p.length, stride);
+    if (j < 2) {
+      EXPECT_EQ(std::memcmp(buffer.data() + p.offset,
+                            reference->blocks[j].bytes.data(), stride),
+                0);
+    }
+  }
+  for (uint32_t m : missing) {
+    EXPECT_EQ(std::count(buffer.begin() + m * stride,
+                         buffer.begin() + (m + 1) * stride, 0xEE),
+              static_cast<std::ptrdiff_t>(stride))
+        << "slot " << m;
+  }
+
+  // Every key missing: not an error, no blocks.
+  auto none = client_->Get("ns", Keys(20, 3), partial);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_TRUE(none->blocks.empty());
+  EXPECT_EQ(none->missing, (std::vector<uint32_t>{0, 1, 2}));
+  EXPECT_EQ(none->prefix_blocks(), 0u);
+  auto none_into = client_->GetInto("ns", Keys(20, 3), partial,
+                                    absl::MakeSpan(buffer), stride);
+  ASSERT_TRUE(none_into.ok()) << none_into.status();
+  EXPECT_TRUE((*none_into)->WaitLayer(0).ok());
+  EXPECT_TRUE((*none_into)->placements().empty());
+
+  // Without allow_missing a missing key still fails the whole read.
+  EXPECT_EQ(client_->Get("ns", Keys(0, 8)).status().code(),
+            absl::StatusCode::kNotFound);
+  // Bad input is an error with or without it.
+  EXPECT_EQ(client_->Get("nope", Keys(0, 1), partial).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->Get("ns", {std::string(65, 'k')}, partial).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->Get("ns", {""}, partial).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ReadOptions stale_pin = partial;
+  stale_pin.pin_lease = 987654321;
+  EXPECT_EQ(client_->Get("ns", Keys(0, 2), stale_pin).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(node_->store()->Stats().pinned_bytes, 0u);
+}
+
+// Every Client call against a hung node (TCP accepts, nothing answers):
+// named by `name`, run with `call`.
+struct HungCall {
+  const char* name;
+  std::function<absl::Status(Client&, const CallOptions&)> run;
+};
+
+std::vector<HungCall> EveryCall() {
+  static const std::vector<uint16_t>* block =
+      new std::vector<uint16_t>(RandomBlock(SmallShape(), 1));
+  static std::vector<uint8_t>* buffer =
+      new std::vector<uint8_t>(kernels::Fp16BlockBytes(SmallShape()));
+  NamespaceSpec spec;
+  spec.name = "ns";
+  spec.shape = SmallShape();
+  return {
+      {"RegisterNamespace",
+       [spec](Client& c, const CallOptions& o) {
+         return c.RegisterNamespace(spec, o).status();
+       }},
+      {"Lookup",
+       [](Client& c, const CallOptions& o) {
+         return c.Lookup("ns", {Key(0)}, false, o).status();
+       }},
+      {"Put",
+       [](Client& c, const CallOptions& o) {
+         BlockWrite w{Key(0), "", *block};
+         return c.Put("ns", {&w, 1}, o).status();
+       }},
+      {"Get",
+       [](Client& c, const CallOptions& o) {
+         return c.Get("ns", {Key(0)}, ReadOptions{}, o).status();
+       }},
+      {"GetInto",
+       [](Client& c, const CallOptions& o) {
+         return c
+             .GetInto("ns", {Key(0)}, ReadOptions{}, absl::MakeSpan(*buffer),
+                      buffer->size(), o)
+             .status();
+       }},
+      {"Release",
+       [](Client& c, const CallOptions& o) { return c.Release(42, o); }},
+      {"Delete",
+       [](Client& c, const CallOptions& o) {
+         return c.Delete("ns", {Key(0)}, o).status();
+       }},
+      {"Stats",
+       [](Client& c, const CallOptions& o) { return c.Stats(o).status(); }},
+  };
+}
+
+std::unique_ptr<Client> HungClient(const kvcache::testing::BlackHole& hole,
+                                   absl::Duration timeout) {
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", hole.port());
+  options.timeout = timeout;
+  auto client = Client::Connect(options);
+  EXPECT_TRUE(client.ok());
+  return client.ok() ? *std::move(client) : nullptr;
+}
+
+TEST(ClientCallOptionsTest, EveryCallEndsAtItsDeadlineOnAHungNode) {
+  kvcache::testing::BlackHole hole;
+  ASSERT_GT(hole.port(), 0);
+  // The client's default is long: each call's own deadline decides.
+  auto client = HungClient(hole, absl::Seconds(30));
+  ASSERT_NE(client, nullptr);
+  for (const HungCall& c : EveryCall()) {
+    SCOPED_TRACE(c.name);
+    CallOptions relative;
+    relative.timeout = absl::Milliseconds(300);
+    absl::Time start = absl::Now();
+    absl::Status st = c.run(*client, relative);
+    absl::Duration took = absl::Now() - start;
+    EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+    EXPECT_GE(took, absl::Milliseconds(250));
+    EXPECT_LT(took, absl::Milliseconds(1300));
+
+    CallOptions absolute;
+    absolute.deadline = absl::Now() + absl::Milliseconds(200);
+    st = c.run(*client, absolute);
+    EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+    EXPECT_LT(absl::Now() - absolute.deadline, absl::Seconds(1));
+    // Both: the earlier applies.
+    CallOptions both;
+    both.timeout = absl::Seconds(20);
+    both.deadline = absl::Now() + absl::Milliseconds(200);
+    st = c.run(*client, both);
+    EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+    EXPECT_LT(absl::Now() - both.deadline, absl::Seconds(1));
+  }
+  // No CallOptions: ClientOptions::timeout.
+  auto short_default = HungClient(hole, absl::Milliseconds(200));
+  ASSERT_NE(short_default, nullptr);
+  absl::Time start = absl::Now();
+  EXPECT_EQ(short_default->Stats().status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+}
+
+TEST(ClientCallOptionsTest, CancelFromAnotherThreadEndsEveryCallPromptly) {
+  kvcache::testing::BlackHole hole;
+  ASSERT_GT(hole.port(), 0);
+  auto client = HungClient(hole, absl::Seconds(30));
+  ASSERT_NE(client, nullptr);
+  for (const HungCall& c : EveryCall()) {
+    SCOPED_TRACE(c.name);
+    CallOptions call;
+    call.timeout = absl::Seconds(20);
+    call.cancel = std::make_shared<CancelToken>();
+    absl::Time cancelled_at;
+    std::thread canceller([&] {
+      absl::SleepFor(absl::Milliseconds(150));
+      cancelled_at = absl::Now();
+      call.cancel->Cancel();
+    });
+    absl::Status st = c.run(*client, call);
+    const absl::Time returned = absl::Now();
+    canceller.join();
+    EXPECT_EQ(st.code(), absl::StatusCode::kCancelled) << st;
+    EXPECT_LT(returned - cancelled_at, absl::Milliseconds(500));
+
+    // A token cancelled already: the call fails before sending anything.
+    absl::Time start = absl::Now();
+    st = c.run(*client, call);
+    EXPECT_EQ(st.code(), absl::StatusCode::kCancelled) << st;
+    EXPECT_LT(absl::Now() - start, absl::Milliseconds(100));
+  }
 }
 
 TEST_F(NodeTest, BadInputGetsExactCodesAndLosesNothing) {

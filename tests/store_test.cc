@@ -145,7 +145,8 @@ TEST(StoreTest, InPlaceReadsServeVerifiedPinnedPagesThatStayUntilTheLeaseEnds) {
   ASSERT_TRUE(copy.ok()) << copy.status();
   auto in_place =
       store->BeginRead("ns", Keys(200, 6), ReadFormat::kRaw, absl::Seconds(30),
-                       0, /*keep_lease=*/true, /*in_place=*/true);
+                       0, /*keep_lease=*/true, /*allow_missing=*/false,
+                       /*in_place=*/true);
   ASSERT_TRUE(in_place.ok()) << in_place.status();
   ASSERT_NE(in_place->lease_id, 0u);
   size_t pieces = 0;
@@ -174,16 +175,18 @@ TEST(StoreTest, InPlaceReadsServeVerifiedPinnedPagesThatStayUntilTheLeaseEnds) {
   ASSERT_TRUE(WriteChain(store.get(), "ns", 400, 2).ok());
   auto decoded =
       store->BeginRead("ns", Keys(400, 2), ReadFormat::kFp16, absl::Seconds(30),
-                       0, /*keep_lease=*/true, /*in_place=*/true);
+                       0, /*keep_lease=*/true, /*allow_missing=*/false,
+                       /*in_place=*/true);
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   for (const ReadBlock& block : decoded->blocks) {
     EXPECT_TRUE(block.spans.empty());
     EXPECT_EQ(block.data.size(), kernels::Fp16BlockBytes(SmallShape()));
   }
   ASSERT_TRUE(store->EndLease(decoded->lease_id).ok());
-  auto unleased = store->BeginRead("ns", Keys(400, 2), ReadFormat::kRaw,
-                                   absl::ZeroDuration(), 0,
-                                   /*keep_lease=*/false, /*in_place=*/true);
+  auto unleased = store->BeginRead(
+      "ns", Keys(400, 2), ReadFormat::kRaw, absl::ZeroDuration(), 0,
+      /*keep_lease=*/false, /*allow_missing=*/false,
+      /*in_place=*/true);
   ASSERT_TRUE(unleased.ok());
   EXPECT_TRUE(unleased->blocks[0].spans.empty());
   EXPECT_FALSE(unleased->blocks[0].data.empty());
@@ -195,7 +198,8 @@ TEST(StoreTest, InPlaceReadOfACorruptBlockIsDataLossAndDropsIt) {
   ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
   ASSERT_TRUE(store->CorruptBlockForTest("ns", Key(2)).ok());
   auto read = store->BeginRead("ns", Keys(0, 3), ReadFormat::kFp16,
-                               absl::Seconds(30), 0, true, /*in_place=*/true);
+                               absl::Seconds(30), 0, true,
+                               /*allow_missing=*/false, /*in_place=*/true);
   EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss) << read.status();
   StoreStats s = store->Stats();
   EXPECT_EQ(s.data_loss_events, 1u);
@@ -204,6 +208,23 @@ TEST(StoreTest, InPlaceReadOfACorruptBlockIsDataLossAndDropsIt) {
   EXPECT_EQ(store->Lookup("ns", Keys(0, 3), false, absl::ZeroDuration())
                 ->prefix_blocks,
             2u);
+}
+
+TEST(StoreTest, InPlaceReadWithAllowMissingListsACorruptBlockAsMissing) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
+  ASSERT_TRUE(store->CorruptBlockForTest("ns", Key(1)).ok());
+  auto read = store->BeginRead("ns", Keys(0, 3), ReadFormat::kRaw,
+                               absl::Seconds(30), 0, /*keep_lease=*/true,
+                               /*allow_missing=*/true, /*in_place=*/true);
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_EQ(read->blocks.size(), 2u);
+  EXPECT_EQ(read->missing, std::vector<uint32_t>{1});
+  for (const ReadBlock& block : read->blocks) EXPECT_FALSE(block.spans.empty());
+  EXPECT_EQ(store->Stats().data_loss_events, 1u);
+  ASSERT_TRUE(store->EndLease(read->lease_id).ok());
+  EXPECT_EQ(store->Stats().pinned_bytes, 0u);
 }
 
 TEST(StoreTest, WritesAreInvisibleUntilCommit) {
@@ -613,6 +634,76 @@ TEST(StoreTest, CorruptPayloadOrHeaderIsDataLossAndDropsTheBlock) {
                                 absl::ZeroDuration(), 0, false)
                     .ok());
   }
+}
+
+// allow_missing: a read returns what is stored and verifies, lists the rest
+// (not stored, or dropped as corrupt), and holds only what it returned.
+TEST(StoreTest, AllowMissingReadsTheRestAndListsTheMisses) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 5, 1).ok());
+  ASSERT_TRUE(store->CorruptBlockForTest("ns", Key(2)).ok());
+  // Keys 0..5: 3 and 4 were never stored, 2 fails its checksum.
+  for (bool keep_lease : {false, true}) {
+    auto read = store->BeginRead("ns", Keys(0, 6), ReadFormat::kFp16,
+                                 absl::Seconds(10), 0, keep_lease,
+                                 /*allow_missing=*/true);
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_EQ(read->missing, (std::vector<uint32_t>{2, 3, 4}));
+    ASSERT_EQ(read->blocks.size(), 3u);
+    const int want_keys[] = {0, 1, 5};
+    for (int j = 0; j < 3; ++j) {
+      const int k = want_keys[j];
+      EXPECT_EQ(read->blocks[j].key, Key(k));
+      std::vector<uint16_t> want = RandomBlock(SmallShape(), k);
+      ASSERT_EQ(read->blocks[j].data.size(), want.size() * 2);
+      EXPECT_EQ(std::memcmp(read->blocks[j].data.data(), want.data(),
+                            want.size() * 2),
+                0)
+          << "key " << k;
+    }
+    StoreStats s = store->Stats();
+    EXPECT_EQ(s.data_loss_events, 1u) << "dropped once, then a plain miss";
+    EXPECT_EQ(s.evictions_data_loss, 1u);
+    if (keep_lease) {
+      ASSERT_NE(read->lease_id, 0u);
+      EXPECT_GT(s.pinned_bytes, 0u);
+      EXPECT_EQ(s.active_read_leases, 1u);
+      ASSERT_TRUE(store->EndLease(read->lease_id).ok());
+    } else {
+      EXPECT_EQ(read->lease_id, 0u);
+    }
+    EXPECT_EQ(store->Stats().pinned_bytes, 0u);
+  }
+  // Nothing stored at all: an empty read, still no error.
+  auto none = store->BeginRead("ns", Keys(10, 2), ReadFormat::kRaw,
+                               absl::Seconds(10), 0, true, true);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_TRUE(none->blocks.empty());
+  EXPECT_EQ(none->missing, (std::vector<uint32_t>{0, 1}));
+  ASSERT_TRUE(store->EndLease(none->lease_id).ok());
+  // Without allow_missing the same keys fail the read as before.
+  EXPECT_EQ(store
+                ->BeginRead("ns", Keys(0, 6), ReadFormat::kFp16,
+                            absl::ZeroDuration(), 0, false)
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->Stats().pinned_bytes, 0u);
+  // Bad input is still an error.
+  EXPECT_EQ(store
+                ->BeginRead("ns", {std::string(65, 'k')}, ReadFormat::kFp16,
+                            absl::ZeroDuration(), 0, false, true)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store
+                ->BeginRead("nope", Keys(0, 1), ReadFormat::kFp16,
+                            absl::ZeroDuration(), 0, false, true)
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
 }
 
 TEST(StoreTest, FailedCommitStoresNothingAndKeepsEarlierData) {

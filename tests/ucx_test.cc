@@ -12,10 +12,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <future>
@@ -374,6 +376,69 @@ TEST_P(UcxTest, DataBuffersKeepTheirKeyAcrossReadsUntilReleased) {
   ExpectNothingHeld(absl::Seconds(5));
 }
 
+// allow_missing over the data plane: the blocks that are there travel over
+// UCX into their keys' slots; the missing ones are listed; a read with
+// nothing to move needs no data-plane session at all.
+TEST_P(UcxTest, AllowMissingMovesWhatIsThereOverTheDataPlane) {
+  const kernels::BlockShape shape = LargeShape();
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("partial", Codec::kFp8E4M3, shape)).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "partial", shape, 0, 3).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "partial", shape, 5, 1).ok());
+  const std::vector<uint32_t> missing = {3, 4};
+  const std::vector<uint32_t> found = {0, 1, 2, 5};
+  ReadOptions partial;
+  partial.allow_missing = true;
+  const size_t stride = kernels::Fp16BlockBytes(shape);
+  for (ReadFormat format : {ReadFormat::kRaw, ReadFormat::kFp16}) {
+    partial.format = format;
+    auto ucx = client_->Get("partial", Keys(0, 6), partial);
+    auto inline_read = grpc_client_->Get("partial", Keys(0, 6), partial);
+    ASSERT_TRUE(ucx.ok()) << ucx.status();
+    ASSERT_TRUE(inline_read.ok()) << inline_read.status();
+    EXPECT_EQ(ucx->missing, missing);
+    EXPECT_EQ(inline_read->missing, missing);
+    ASSERT_EQ(ucx->blocks.size(), found.size());
+    for (size_t j = 0; j < found.size(); ++j) {
+      EXPECT_EQ(ucx->blocks[j].index, found[j]);
+      EXPECT_EQ(ucx->blocks[j].bytes, inline_read->blocks[j].bytes);
+    }
+    std::vector<uint8_t> buffer(6 * stride, 0xEE);
+    auto read = client_->GetInto("partial", Keys(0, 6), partial,
+                                 absl::MakeSpan(buffer), stride);
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_TRUE((*read)->over_data_plane());
+    ASSERT_TRUE((*read)->Wait().ok());
+    EXPECT_EQ((*read)->metadata().missing, missing);
+    ASSERT_EQ((*read)->placements().size(), found.size());
+    for (size_t j = 0; j < found.size(); ++j) {
+      const BlockPlacement& p = (*read)->placements()[j];
+      EXPECT_EQ(p.offset, found[j] * stride);
+      ASSERT_EQ(p.length, inline_read->blocks[j].bytes.size());
+      EXPECT_EQ(std::memcmp(buffer.data() + p.offset,
+                            inline_read->blocks[j].bytes.data(), p.length),
+                0)
+          << "block " << found[j];
+    }
+    for (uint32_t m : missing) {
+      EXPECT_EQ(std::count(buffer.begin() + m * stride,
+                           buffer.begin() + (m + 1) * stride, 0xEE),
+                static_cast<std::ptrdiff_t>(stride));
+    }
+  }
+  // Nothing there: no session, and a UCX-only client does not mind.
+  auto none = client_->Get("partial", Keys(10, 2), partial);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_TRUE(none->blocks.empty());
+  std::vector<uint8_t> buffer(2 * stride);
+  auto none_into = client_->GetInto("partial", Keys(10, 2), partial,
+                                    absl::MakeSpan(buffer), stride);
+  ASSERT_TRUE(none_into.ok()) << none_into.status();
+  EXPECT_FALSE((*none_into)->over_data_plane());
+  EXPECT_TRUE((*none_into)->Wait().ok());
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
 TEST_P(UcxTest, ConnectionsWithoutAValidTokenAreClosed) {
   auto loop = ucx::WorkerLoop::Start({});
   ASSERT_TRUE(loop.ok()) << loop.status();
@@ -668,6 +733,209 @@ TEST_P(UcxTest, NodeKilledMidTransferFailsCallsWithinTheirDeadline) {
       << last;
   EXPECT_LE(absl::Now() - killed, copts.timeout + absl::Seconds(3));
   EXPECT_LE(longest_failure, copts.timeout + absl::Seconds(3));
+}
+
+// A node in a child process (this binary in child mode "node"), killed
+// when this goes out of scope.
+class ChildNode {
+ public:
+  ChildNode() {
+    int fds[2];
+    if (pipe(fds) != 0) return;
+    const pid_t parent = getpid();
+    pid_ = fork();
+    if (pid_ == 0) {
+      DieWithParent(parent);
+      dup2(fds[1], 1);
+      close(fds[0]);
+      execl("/proc/self/exe", "/proc/self/exe", kChildFlag, "node", "-",
+            static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(fds[1]);
+    char buf[32] = {};
+    if (pid_ > 0 && read(fds[0], buf, sizeof(buf) - 1) > 0) {
+      target_ = absl::StrCat("127.0.0.1:", std::atoi(buf));
+    }
+    close(fds[0]);
+  }
+  ~ChildNode() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+  ChildNode(const ChildNode&) = delete;
+  ChildNode& operator=(const ChildNode&) = delete;
+
+  // Empty when the node did not start.
+  const std::string& target() const { return target_; }
+  // Returns once every thread of the node has stopped (bounded).
+  void Pause() {
+    kill(pid_, SIGSTOP);
+    const absl::Time give_up = absl::Now() + absl::Seconds(5);
+    while (!Stopped() && absl::Now() < give_up) {
+      absl::SleepFor(absl::Microseconds(100));
+    }
+    EXPECT_TRUE(Stopped());
+  }
+  void Resume() { kill(pid_, SIGCONT); }
+
+ private:
+  // Every thread's state in /proc is 'T' (stopped).
+  bool Stopped() const {
+    const std::string tasks = absl::StrCat("/proc/", pid_, "/task");
+    std::error_code error;
+    for (const auto& task : std::filesystem::directory_iterator(tasks, error)) {
+      std::ifstream stat(task.path() / "stat");
+      std::string line;
+      std::getline(stat, line);
+      // "tid (comm) S ...": the state follows the last ')'.
+      const size_t paren = line.rfind(')');
+      if (paren == std::string::npos || paren + 2 >= line.size() ||
+          line[paren + 2] != 'T') {
+        return false;
+      }
+    }
+    return !error;
+  }
+
+  pid_t pid_ = -1;
+  std::string target_;
+};
+
+// A paused node (SIGSTOP) is a hung node for both planes: a control RPC
+// and a data-plane wait end at the call's deadline, or at once when the
+// call is cancelled from another thread.
+TEST_P(UcxTest, PausedNodeEndsCallsAtTheirDeadlineOrWhenCancelled) {
+  client_.reset();
+  grpc_client_.reset();
+  node_.reset();
+  ChildNode node;
+  ASSERT_FALSE(node.target().empty());
+  ClientOptions copts;
+  copts.target = node.target();
+  copts.timeout = absl::Seconds(20);
+  copts.data_plane = DataPlane::kUcx;
+  copts.max_message_bytes = 64 << 20;
+  auto client = Client::Connect(copts);
+  ASSERT_TRUE(client.ok());
+  const kernels::BlockShape shape = LargeShape();
+  ASSERT_TRUE(
+      (*client)->RegisterNamespace(Spec("paused", Codec::kNone, shape)).ok());
+  constexpr int kBlocks = 32;  // 16 MiB: a read takes a while to land
+  ASSERT_TRUE(PutChain(client->get(), "paused", shape, 0, kBlocks).ok());
+  const size_t stride = kernels::Fp16BlockBytes(shape);
+  std::vector<uint8_t> buffer(kBlocks * stride);
+
+  // Starts a read, pauses the node, and waits for every layer. A read that
+  // landed before the pause took effect tells nothing: tried again.
+  auto paused_read = [&](const CallOptions& call,
+                         const std::function<void()>& meanwhile,
+                         absl::Status* status, absl::Time* returned) {
+    for (int attempt = 0; attempt < 10; ++attempt) {
+      auto read = (*client)->GetInto("paused", Keys(0, kBlocks), ReadOptions{},
+                                     absl::MakeSpan(buffer), stride, call);
+      if (!read.ok()) {
+        *status = read.status();
+        return false;
+      }
+      node.Pause();
+      std::thread side(meanwhile);
+      *status = (*read)->Wait();
+      *returned = absl::Now();
+      side.join();
+      // Destroying an unfinished read closes its connection: at once, even
+      // with the node paused.
+      const absl::Time destroy = absl::Now();
+      read->reset();
+      EXPECT_LT(absl::Now() - destroy, absl::Seconds(1));
+      node.Resume();
+      if (!status->ok()) return true;
+    }
+    return false;
+  };
+
+  // The data-plane waits. Only where UCX has peer failure handling (tcp):
+  // over UCX 1.13's shared memory a read abandoned mid-transfer cannot stop
+  // the node, whose puts would land in `buffer` after the node resumes.
+  const bool peer_failures = std::string(GetParam().name) == "tcp";
+  // Cancelled from another thread while the bytes are not coming.
+  if (peer_failures) {
+    CallOptions call;
+    call.timeout = absl::Seconds(20);
+    call.cancel = std::make_shared<CancelToken>();
+    absl::Time cancelled_at = absl::InfiniteFuture();
+    absl::Status st;
+    absl::Time returned;
+    bool caught = false;
+    for (int i = 0; i < 5 && !caught; ++i) {
+      call.cancel = std::make_shared<CancelToken>();
+      caught = paused_read(
+          call,
+          [&] {
+            absl::SleepFor(absl::Milliseconds(200));
+            cancelled_at = absl::Now();
+            call.cancel->Cancel();
+          },
+          &st, &returned);
+    }
+    ASSERT_TRUE(caught) << st;
+    EXPECT_EQ(st.code(), absl::StatusCode::kCancelled) << st;
+    EXPECT_LT(returned - cancelled_at, absl::Milliseconds(500));
+  }
+  // The call's deadline.
+  if (peer_failures) {
+    CallOptions call;
+    absl::Status st;
+    absl::Time returned;
+    absl::Time deadline;
+    bool caught = false;
+    for (int i = 0; i < 5 && !caught; ++i) {
+      call.deadline = deadline = absl::Now() + absl::Seconds(1);
+      caught = paused_read(
+          call, [] {}, &st, &returned);
+    }
+    ASSERT_TRUE(caught) << st;
+    EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+    EXPECT_LT(returned - deadline, absl::Seconds(1));
+  }
+  // Control-plane calls to the paused node.
+  node.Pause();
+  CallOptions short_call;
+  short_call.timeout = absl::Milliseconds(300);
+  absl::Time start = absl::Now();
+  EXPECT_EQ((*client)
+                ->Lookup("paused", Keys(0, 1), false, short_call)
+                .status()
+                .code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(1300));
+  for (bool put : {false, true}) {
+    CallOptions call;
+    call.timeout = absl::Seconds(20);
+    call.cancel = std::make_shared<CancelToken>();
+    std::thread canceller([&] {
+      absl::SleepFor(absl::Milliseconds(150));
+      call.cancel->Cancel();
+    });
+    start = absl::Now();
+    absl::Status st;
+    if (put) {
+      std::vector<uint16_t> block = RandomBlock(shape, 99);
+      BlockWrite w{Key(99), "", block};
+      st = (*client)->Put("paused", {&w, 1}, call).status();
+    } else {
+      st = (*client)->Get("paused", Keys(0, 2), ReadOptions{}, call).status();
+    }
+    canceller.join();
+    EXPECT_EQ(st.code(), absl::StatusCode::kCancelled) << st;
+    EXPECT_LT(absl::Now() - start, absl::Milliseconds(800));
+  }
+  node.Resume();
+  // Resumed, the node serves the client again (over a new connection).
+  auto got = (*client)->Get("paused", Keys(0, kBlocks));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->blocks.size(), static_cast<size_t>(kBlocks));
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, UcxTest,

@@ -48,6 +48,23 @@ struct SendState {
   }
 };
 
+// A CancelToken callback, removed when the wait that added it ends.
+class CancelHook {
+ public:
+  CancelHook(CancelToken* token, absl::AnyInvocable<void()> fn)
+      : token_(token),
+        id_(token == nullptr ? 0 : token->AddCallback(std::move(fn))) {}
+  ~CancelHook() {
+    if (token_ != nullptr) token_->RemoveCallback(id_);
+  }
+  CancelHook(const CancelHook&) = delete;
+  CancelHook& operator=(const CancelHook&) = delete;
+
+ private:
+  CancelToken* token_;
+  uint64_t id_;
+};
+
 }  // namespace
 
 struct ClientPlane::Connection {
@@ -231,10 +248,13 @@ void ClientPlane::DescribeOnce(const std::string& address) {
 void ClientPlane::ForceCloseAddress(const std::string& address) {
   auto it = connections_.find(address);
   if (it == connections_.end()) return;
+  // The operation that closed it reports its own status; the others may
+  // simply be tried again on a new connection.
   CloseConnection(it->second->id,
-                  absl::DeadlineExceededError(
-                      "a data-plane operation on this connection passed its "
-                      "deadline; the connection was closed"));
+                  absl::UnavailableError(
+                      "another data-plane operation on this connection "
+                      "passed its deadline or was abandoned; the connection "
+                      "was closed"));
 }
 
 // ----------------------------------------------------------------- write
@@ -441,15 +461,30 @@ ClientPlane::Read::~Read() {
   if (!detached) {
     // The node may still be putting into the region: close the connection
     // (no more puts land) before the region is unmapped.
-    WaitLayers(num_layers_, absl::Now()).IgnoreError();
+    WaitLayersUntil(num_layers_, absl::Now(), nullptr).IgnoreError();
   }
 }
 
-absl::Status ClientPlane::Read::WaitLayers(uint32_t layers,
-                                           absl::Time deadline) {
+absl::Status ClientPlane::Read::WaitLayers(uint32_t layers, absl::Time deadline,
+                                           CancelToken* cancel) {
+  if (cancel == nullptr) return WaitLayersUntil(layers, deadline, nullptr);
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  // The hook may run after this wait ended (on the cancelling thread): it
+  // holds what it touches.
+  CancelHook hook(cancel, [cancelled, state = state_] {
+    std::lock_guard<std::mutex> lock(state->mu);
+    cancelled->store(true);
+    state->cv.notify_all();
+  });
+  return WaitLayersUntil(layers, deadline, cancelled.get());
+}
+
+absl::Status ClientPlane::Read::WaitLayersUntil(
+    uint32_t layers, absl::Time deadline, const std::atomic<bool>* cancelled) {
   std::unique_lock<std::mutex> lock(state_->mu);
   auto ready = [&] {
-    return state_->finished || state_->layers_done >= layers;
+    return state_->finished || state_->layers_done >= layers ||
+           (cancelled != nullptr && cancelled->load());
   };
   if (!state_->cv.wait_until(lock, Chrono(deadline), ready)) {
     lock.unlock();
@@ -469,6 +504,10 @@ absl::Status ClientPlane::Read::WaitLayers(uint32_t layers,
   }
   if (!state_->status.ok()) return state_->status;
   if (state_->layers_done >= layers) return absl::OkStatus();
+  if (cancelled != nullptr && cancelled->load()) {
+    return absl::CancelledError(
+        "the wait for the data-plane read was cancelled");
+  }
   return absl::InternalError("the data-plane read ended early");
 }
 

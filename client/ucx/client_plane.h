@@ -4,11 +4,19 @@
 // and opened again after it fails.
 //
 // Contract:
-//  * SendBlocks and Read::Wait return within their deadline (plus the time
-//    UCX takes to fail the operations of a force-closed endpoint). When a
-//    deadline passes with operations in flight, the endpoint is
+//  * SendBlocks and Read::WaitLayers return within their deadline (plus the
+//    time UCX takes to fail the operations of a force-closed endpoint).
+//    When a deadline passes with operations in flight, the endpoint is
 //    force-closed, which completes them with an error; only then does the
-//    call return, so no operation outlives the caller's buffers.
+//    call return, so no operation outlives the caller's buffers. Other
+//    operations on a force-closed endpoint fail with UNAVAILABLE (the next
+//    operation opens a new connection). Read::WaitLayers also returns
+//    CANCELLED at once when its CancelToken fires; that only stops the
+//    wait: the read goes on until it ends or the Read is destroyed.
+//  * Known limit: over transports without peer failure handling (UCX 1.13's
+//    shared memory), force-closing the local endpoint does not stop the
+//    node: puts of a read abandoned mid-transfer (deadline, or a Read
+//    destroyed early) may still land in its destination afterwards.
 //  * Every active message carries the token the node issued for that lease
 //    through the control plane, and UCP_AM_SEND_FLAG_REPLY so that the node
 //    can tell which connection sent it.
@@ -19,6 +27,7 @@
 #ifndef KVCACHE_CLIENT_UCX_CLIENT_PLANE_H_
 #define KVCACHE_CLIENT_UCX_CLIENT_PLANE_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -31,6 +40,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "kvcache/call_options.h"
 #include "service/ucx/handles.h"
 #include "service/ucx/wire.h"
 #include "service/ucx/worker_loop.h"
@@ -135,14 +145,19 @@ class ClientPlane::Read {
   Read& operator=(const Read&) = delete;
 
   // Waits until `layers` layers are in place (num_layers: all), the read
-  // failed, or `deadline` (then the connection is force-closed and the read
-  // fails with DEADLINE_EXCEEDED).
-  absl::Status WaitLayers(uint32_t layers, absl::Time deadline);
+  // failed, `deadline` (then the connection is force-closed and the read
+  // fails with DEADLINE_EXCEEDED), or `cancel` (optional) fires: then this
+  // wait returns CANCELLED and the read goes on.
+  absl::Status WaitLayers(uint32_t layers, absl::Time deadline,
+                          CancelToken* cancel = nullptr);
   uint32_t num_layers() const { return num_layers_; }
   MemoryRegion& region() { return *region_; }
 
  private:
   friend class ClientPlane;
+  // Force-closes the connection when `deadline` passes first.
+  absl::Status WaitLayersUntil(uint32_t layers, absl::Time deadline,
+                               const std::atomic<bool>* cancelled);
   Read(ClientPlane* plane, std::string address,
        std::shared_ptr<ReadState> state, std::shared_ptr<MemoryRegion> region,
        uint32_t num_layers)

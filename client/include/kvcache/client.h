@@ -2,10 +2,21 @@
 // workers.
 //
 // Contract:
-//  * Every call has a deadline (ClientOptions::timeout unless the call's
-//    own timeout is given) and returns absl::Status codes as the node
-//    defines them: INVALID_ARGUMENT bad shape/key/codec, NOT_FOUND miss,
-//    RESOURCE_EXHAUSTED pool full (retry_after_ms() tells when to retry),
+//  * Every call takes an optional CallOptions (kvcache/call_options.h): its
+//    deadline is CallDeadline(call, ClientOptions::timeout), set on every
+//    RPC of the call and bounding every data-plane wait; past it the call
+//    returns DEADLINE_EXCEEDED (a data-plane transfer still running then is
+//    stopped by closing the connection). Its CancelToken, when it fires,
+//    cancels the RPC in flight (grpc::ClientContext::TryCancel) and the
+//    call returns CANCELLED at once; a call made with a token cancelled
+//    already fails with CANCELLED before anything is sent. Bytes that a Put
+//    or Get has already started moving over the data plane finish moving
+//    first (bounded by the deadline), because cutting a transfer short
+//    closes the connection that other calls share; PendingRead's waits end
+//    at once (the transfer itself goes on, see PendingRead).
+//  * Status codes as the node defines them: INVALID_ARGUMENT bad
+//    shape/key/codec, NOT_FOUND miss (or unknown namespace),
+//    RESOURCE_EXHAUSTED pool full (RetryAfterMs() tells when to retry),
 //    FAILED_PRECONDITION layout mismatch or stale lease, UNAVAILABLE node
 //    down or draining, DATA_LOSS a stored block failed its checksum (the
 //    node has dropped it; treat as a miss and recompute).
@@ -30,6 +41,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/codec.h"
+#include "kvcache/call_options.h"
 
 namespace kvcache {
 
@@ -50,6 +62,7 @@ enum class DataPlane {
 
 struct ClientOptions {
   std::string target;  // "host:port" of the node's gRPC listener
+  // A call's budget when its CallOptions give neither timeout nor deadline.
   absl::Duration timeout = absl::Seconds(10);
   // Largest gRPC message either way; a Put larger than this is split.
   int max_message_bytes = 256 << 20;
@@ -97,17 +110,43 @@ struct PutResult {
 
 enum class ReadFormat { kFp16, kRaw };
 
+// How Get and GetInto read.
+struct ReadOptions {
+  ReadFormat format = ReadFormat::kFp16;
+  // A Lookup pin that this read takes over and ends; 0: none.
+  uint64_t pin_lease = 0;
+  // false: one missing key fails the whole read with NOT_FOUND, one block
+  // that fails its checksum with DATA_LOSS (the node drops it).
+  // true: the read returns the blocks the node holds intact and lists the
+  // other keys in GetResult::missing (not stored, or corrupt and now
+  // dropped); a read where every key is missing succeeds with no blocks.
+  // Bad input (keys, namespace, pin lease) is an error either way.
+  bool allow_missing = false;
+};
+
 struct BlockData {
   std::string key;
+  uint32_t index = 0;          // the key's position in the keys asked for
   Codec codec = Codec::kNone;  // as stored on the node
   ReadFormat format = ReadFormat::kFp16;
   std::string bytes;  // fp16 halves, or the raw encoding
 };
 
 struct GetResult {
-  std::vector<BlockData> blocks;  // in the order of the keys asked for
+  // In the order of the keys asked for: one per key, or with allow_missing
+  // one per key not in `missing`.
+  std::vector<BlockData> blocks;
+  // Positions of the keys not read, ascending; empty without allow_missing.
+  std::vector<uint32_t> missing;
   BlockShape shape;
   CodecPolicy policy;  // decodes raw blocks (DecodeRaw)
+
+  // How many leading keys were all read: keys[0, n) are blocks[0, n). The
+  // longest usable prefix of a chain of prefix-hash keys.
+  uint32_t prefix_blocks() const {
+    return missing.empty() ? static_cast<uint32_t>(blocks.size())
+                           : missing.front();
+  }
 };
 
 struct CodecUsage {
@@ -141,9 +180,11 @@ struct NodeStats {
   uint64_t lookup_misses = 0;
 };
 
-// Where block i of a GetInto landed in the caller's buffer.
+// Where a block of a GetInto landed in the caller's buffer.
 struct BlockPlacement {
-  uint64_t offset = 0;  // from the start of the buffer: i * stride
+  // From the start of the buffer: index * stride, index being the block's
+  // position in the keys asked for (BlockData::index).
+  uint64_t offset = 0;
   uint64_t length = 0;  // bytes of the block in the requested format
   // Offset within the block where each layer ends; one entry when the
   // block's layers cannot be told apart (it is ready with the last layer).
@@ -152,7 +193,9 @@ struct BlockPlacement {
 
 // A read into caller memory in progress (Client::GetInto). Destroying it
 // before the read has ended cancels the transfer first, so the buffer is
-// never written after the destructor returns.
+// never written after the destructor returns (over the data plane this
+// closes the client's connection to the node; other transfers on it fail
+// with UNAVAILABLE and a new connection is opened for the next one).
 class PendingRead {
  public:
   struct Impl;
@@ -162,15 +205,20 @@ class PendingRead {
   PendingRead& operator=(const PendingRead&) = delete;
 
   // Blocks until layer `layer` of every block is in the buffer, or the read
-  // failed (its status), bounded by the call's deadline
-  // (DEADLINE_EXCEEDED). Layers arrive in order.
+  // failed (its status). Bounded by the GetInto call's deadline
+  // (DEADLINE_EXCEEDED; the transfer is stopped then) and ended by its
+  // CancelToken (CANCELLED; the transfer goes on until it ends or this
+  // PendingRead is destroyed). Layers arrive in order. A read that found
+  // no block (allow_missing) has every layer ready.
   absl::Status WaitLayer(uint32_t layer);
   // Every layer.
   absl::Status Wait();
   uint32_t num_layers() const;
-  // Keys, codecs and formats of the blocks (their bytes are empty: they are
-  // in the buffer), with the shape and policy that decode raw blocks.
+  // Keys, positions, codecs and formats of the blocks read (their bytes are
+  // empty: they are in the buffer), the keys missing (allow_missing), and
+  // the shape and policy that decode raw blocks.
   const GetResult& metadata() const;
+  // One per block of metadata().blocks, in the same order.
   const std::vector<BlockPlacement>& placements() const;
   // True when the bytes travel over the UCX data plane.
   bool over_data_plane() const;
@@ -229,33 +277,50 @@ class Client {
 
   // Idempotent for an identical spec; FAILED_PRECONDITION when the name is
   // taken by a different layout or policy.
-  absl::StatusOr<NamespaceInfo> RegisterNamespace(const NamespaceSpec& spec);
+  absl::StatusOr<NamespaceInfo> RegisterNamespace(const NamespaceSpec& spec,
+                                                  const CallOptions& call = {});
 
   // Longest cached prefix of `keys`. pin: hold it against eviction until
   // Get(..., pin_lease) or Release(pin_lease) or the lease TTL.
   absl::StatusOr<LookupResult> Lookup(const std::string& ns,
                                       const std::vector<std::string>& keys,
-                                      bool pin = false);
+                                      bool pin = false,
+                                      const CallOptions& call = {});
 
   // Stores whole blocks (all-or-nothing per node round trip). Blocks the
-  // node holds already cost no transfer.
+  // node holds already cost no transfer. Returns only once nothing reads
+  // `blocks` any more, also when it fails (DEADLINE_EXCEEDED, CANCELLED: a
+  // round trip cut short may or may not have stored its blocks).
   absl::StatusOr<PutResult> Put(const std::string& ns,
-                                absl::Span<const BlockWrite> blocks);
+                                absl::Span<const BlockWrite> blocks,
+                                const CallOptions& call = {});
 
-  // Reads blocks; NOT_FOUND when any is missing. pin_lease: a Lookup pin
-  // that this read takes over and ends.
+  // Reads blocks (see ReadOptions for missing keys).
+  absl::StatusOr<GetResult> Get(const std::string& ns,
+                                const std::vector<std::string>& keys,
+                                const ReadOptions& read,
+                                const CallOptions& call = {});
+  // Get(ns, keys, {format, pin_lease}): NOT_FOUND when any key is missing.
   absl::StatusOr<GetResult> Get(const std::string& ns,
                                 const std::vector<std::string>& keys,
                                 ReadFormat format = ReadFormat::kFp16,
                                 uint64_t pin_lease = 0);
 
-  // Reads blocks straight into `dest`: block i at dest[i * stride, ...).
-  // Over the UCX data plane the node puts them there layer by layer, so a
-  // decode worker can start on layer 0 while later layers travel; inline
-  // (no data plane) the bytes are copied in and every layer is ready at
-  // once. INVALID_ARGUMENT when `dest` cannot hold keys.size() slots of
-  // `stride` bytes or a block is larger than its slot. `dest` must outlive
-  // the PendingRead.
+  // Reads blocks straight into `dest`: the block of keys[i] at
+  // dest[i * stride, ...) (with allow_missing, the slots of missing keys
+  // are left untouched). Over the UCX data plane the node puts them there
+  // layer by layer, so a decode worker can start on layer 0 while later
+  // layers travel; inline (no data plane) the bytes are copied in and
+  // every layer is ready at once. Returns once the node has answered
+  // (metadata and placements are known); the call's deadline and cancel
+  // token go on to bound PendingRead's waits. INVALID_ARGUMENT when `dest`
+  // cannot hold keys.size() slots of `stride` bytes or a block is larger
+  // than its slot. `dest` must outlive the PendingRead.
+  absl::StatusOr<std::unique_ptr<PendingRead>> GetInto(
+      const std::string& ns, const std::vector<std::string>& keys,
+      const ReadOptions& read, absl::Span<uint8_t> dest, size_t stride,
+      const CallOptions& call = {});
+  // GetInto(ns, keys, {format, pin_lease}, dest, stride).
   absl::StatusOr<std::unique_ptr<PendingRead>> GetInto(
       const std::string& ns, const std::vector<std::string>& keys,
       ReadFormat format, absl::Span<uint8_t> dest, size_t stride,
@@ -267,13 +332,14 @@ class Client {
   absl::StatusOr<std::unique_ptr<DataBuffer>> AllocateBuffer(size_t bytes);
 
   // Ends a Lookup pin without reading.
-  absl::Status Release(uint64_t pin_lease);
+  absl::Status Release(uint64_t pin_lease, const CallOptions& call = {});
 
   // Returns how many of `keys` were stored and are now deleted.
   absl::StatusOr<uint32_t> Delete(const std::string& ns,
-                                  const std::vector<std::string>& keys);
+                                  const std::vector<std::string>& keys,
+                                  const CallOptions& call = {});
 
-  absl::StatusOr<NodeStats> Stats();
+  absl::StatusOr<NodeStats> Stats(const CallOptions& call = {});
 
  private:
   struct Impl;

@@ -15,23 +15,30 @@
 // that join or leave.
 //
 // Failures are misses, not errors: a node that answers UNAVAILABLE
-// (down, draining), DEADLINE_EXCEEDED (hung, slow) or CANCELLED is marked
-// down; calls skip it (its keys are misses, its writes are not stored and
-// counted as `unavailable`) until a jittered exponential backoff
-// (node_backoff_initial doubling to node_backoff_max) has passed, when one
-// call probes it again. NOT_FOUND and DATA_LOSS of a block are misses. Only
-// the caller's own mistakes are errors: INVALID_ARGUMENT (bad key, wrong
-// block size), FAILED_PRECONDITION (a namespace not registered with this
-// ClusterClient, a layout mismatch), PERMISSION_DENIED,
-// UNAUTHENTICATED, and CANCELLED when the caller cancelled.
+// (down, draining), DEADLINE_EXCEEDED (hung, or slower than the RPC's
+// deadline: rpc_timeout or the call's deadline, whichever comes first) or
+// CANCELLED is marked down; calls skip it (its keys are misses, its writes
+// are not stored and counted as `unavailable`) until a jittered exponential
+// backoff (node_backoff_initial doubling to node_backoff_max) has passed,
+// when one call probes it again. An RPC that this client cancelled (the
+// caller's cancel, shutdown) does not count against the node. NOT_FOUND and
+// DATA_LOSS of a block are misses. Only the caller's own mistakes are
+// errors: INVALID_ARGUMENT (bad key, wrong block size), FAILED_PRECONDITION
+// (a namespace not registered with this ClusterClient, a layout mismatch),
+// PERMISSION_DENIED, UNAUTHENTICATED, and CANCELLED when the caller
+// cancelled.
 //
-// Deadlines: every call has one (CallOptions::timeout, else
-// ClusterOptions::default_timeout) covering its retries. Each RPC attempt
-// is further bounded by rpc_timeout. Lookup and Get complete at the latest
-// at their deadline, with what they have (keys not answered by then are
-// misses). Put completes at its deadline or, if a write is still in flight
-// then, when it ends (a begin/commit pair: at most 2 * rpc_timeout later):
-// it never reads the caller's block buffers after it has completed.
+// Deadlines: every call has one (CallDeadline(CallOptions,
+// ClusterOptions::default_timeout): CallOptions::timeout and/or
+// CallOptions::deadline) covering its retries. Each RPC attempt is sent
+// with the call's deadline, cut to rpc_timeout from its start (the
+// deadline of the kvcache::Client call), so nothing waits past the call's
+// deadline: Lookup, Get and Delete complete at the latest at their
+// deadline, with what they have (keys not answered by then are misses);
+// Put completes at its deadline too, never reading the caller's block
+// buffers afterwards (a data-plane send still running then is stopped by
+// closing its connection; an inline commit cut short may still be applied
+// by the node: such blocks count as `unavailable`).
 //
 // Retries: UNAVAILABLE and RESOURCE_EXHAUSTED only, up to max_attempts per
 // node and call, after a jittered exponential backoff (retry_initial_backoff
@@ -40,8 +47,12 @@
 // the call's deadline.
 //
 // Cancellation: a CancelToken in CallOptions; Cancel() completes the calls
-// that carry it with CANCELLED at once (their in-flight RPCs run out on
-// their own, bounded by rpc_timeout, because kvcache::Client has no cancel).
+// that carry it with CANCELLED at once (on the cancelling thread) and
+// cancels their RPCs in flight (kvcache::Client's TryCancel). Bytes already
+// moving over the UCX data plane for a Put or Get finish moving (bounded by
+// the deadline) rather than close a connection other calls share; a
+// layer-wise stream stops delivering at once and lets its transfers run
+// out the same way.
 //
 // Threading: a ClusterClient is thread-safe. Each node has its own worker
 // threads (threads_per_node), so a hung node cannot starve calls to the
@@ -49,7 +60,8 @@
 // (a node worker, the deadline timer, or the thread calling
 // CancelToken::Cancel); they must not block, must not call the synchronous
 // methods, and must not destroy the ClusterClient. The destructor cancels
-// outstanding calls and returns once every in-flight RPC has ended.
+// outstanding calls (their RPCs and data-plane waits included) and returns
+// once every task has ended.
 #ifndef KVCACHE_CLIENT_CLUSTER_CLIENT_H_
 #define KVCACHE_CLIENT_CLUSTER_CLIENT_H_
 
@@ -71,6 +83,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "kvcache/call_options.h"
 #include "kvcache/client.h"
 
 namespace kvcache {
@@ -81,38 +94,6 @@ class Executor;
 struct NodeState;
 struct Membership;
 }  // namespace internal
-
-// Cancels every call that carries it. Thread-safe; share it by shared_ptr.
-class CancelToken {
- public:
-  CancelToken() = default;
-  CancelToken(const CancelToken&) = delete;
-  CancelToken& operator=(const CancelToken&) = delete;
-
-  // Idempotent. Runs the registered callbacks on this thread.
-  void Cancel();
-  bool cancelled() const;
-
-  // Runs `fn` at Cancel(), or now (on this thread) when cancelled already.
-  // `fn` must not block. Returns an id for RemoveCallback.
-  uint64_t AddCallback(absl::AnyInvocable<void()> fn);
-  // Forgets a callback that has not run; unknown ids are ignored.
-  void RemoveCallback(uint64_t id);
-
- private:
-  mutable absl::Mutex mu_;
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  std::map<uint64_t, absl::AnyInvocable<void()>> callbacks_
-      ABSL_GUARDED_BY(mu_);
-};
-
-struct CallOptions {
-  // The whole call's budget, retries included; zero or negative:
-  // ClusterOptions::default_timeout.
-  absl::Duration timeout = absl::ZeroDuration();
-  std::shared_ptr<CancelToken> cancel;  // optional
-};
 
 struct ClusterOptions {
   // Either a static list of "host:port" (each a node id, as written) ...
@@ -133,8 +114,10 @@ struct ClusterOptions {
   uint32_t routing_prefix_bytes = 0;
 
   absl::Duration default_timeout = absl::Seconds(5);
-  absl::Duration rpc_timeout = absl::Seconds(2);  // one RPC on one node
-  int max_attempts = 3;                           // per node and call; >= 1
+  // One RPC attempt on one node (for a layer-wise read: its BeginRead and
+  // the transfer that follows).
+  absl::Duration rpc_timeout = absl::Seconds(2);
+  int max_attempts = 3;  // per node and call; >= 1
   absl::Duration retry_initial_backoff = absl::Milliseconds(20);
   absl::Duration retry_max_backoff = absl::Seconds(1);
   absl::Duration node_backoff_initial = absl::Milliseconds(250);
@@ -144,6 +127,8 @@ struct ClusterOptions {
   int work_threads = 2;               // layer-wise decode and delivery
   uint32_t max_blocks_per_rpc = 256;  // <= the nodes' --max-blocks-per-request
   int max_message_bytes = 256 << 20;
+  // Where KV bytes travel to and from each node (ClientOptions::data_plane).
+  DataPlane data_plane = DataPlane::kAuto;
 };
 
 struct ClusterLookupResult {
@@ -166,10 +151,12 @@ struct ClusterPutResult {
 struct ClusterGetResult {
   // The longest prefix of the keys that was read: keys[0, prefix_blocks).
   // A key missing, evicted, corrupt (DATA_LOSS) or on an unavailable node
-  // ends the prefix.
+  // ends the prefix. (Each node is asked with allow_missing: one round
+  // trip per node and chunk, whatever it holds.)
   uint32_t prefix_blocks = 0;
-  // read.blocks has prefix_blocks entries, in key order; read.shape and
-  // read.policy describe them (DecodeRaw(read, block, out) for kRaw).
+  // read.blocks has prefix_blocks entries, in key order (block i's index
+  // is i); read.missing is empty; read.shape and read.policy describe them
+  // (DecodeRaw(read, block, out) for kRaw).
   GetResult read;
   uint32_t unavailable_keys = 0;  // as in ClusterLookupResult
 };
@@ -201,12 +188,26 @@ struct LayerwiseOptions {
 
 // A layer-wise read in progress (ClusterClient::GetLayerwise).
 //
-// What overlaps today (gRPC inline data path): the nodes are read in
-// parallel, one response per node and chunk carrying every layer of its
-// blocks; then layer l is dequantized (kRaw) and delivered (on_layer) while
-// the caller already works on layers < l. Layer l+1's bytes are not on the
-// wire while layer l is consumed; with the UCX data plane a node will send
-// layer by layer and the same interface will report each layer as it lands.
+// How it travels: one kvcache::Client::GetInto (allow_missing) per node and
+// chunk of at most max_blocks_per_rpc keys, all in parallel, into buffers
+// the stream owns. The nodes' answers fix the prefix (the longest run of
+// keys found, once every node has answered or at the call's deadline).
+// Over the UCX data plane each node then puts its blocks layer by layer
+// (all blocks' layer l, then l+1), and layer l is ready as soon as it has
+// arrived from every node holding blocks of the prefix: it is decoded
+// (kRaw: each block's encoding is cut into per-layer sections, decoded
+// bit-identically to the node's own decode), handed to on_layer and
+// released to WaitLayer while later layers are still on the wire. Over
+// the inline gRPC path every layer of a node's chunk arrives at once; the
+// decode and delivery still go layer by layer.
+//
+// Failures: a node that is down, hung or misses keys shortens the prefix
+// (misses, as for Get). A node that fails after the prefix was fixed (its
+// transfer breaks) fails the layers not yet delivered with UNAVAILABLE (or
+// DEADLINE_EXCEEDED): those layers must be recomputed, the ones delivered
+// stay valid. A stopped stream (Cancel, the caller's token, destruction, a
+// WaitLayer past its bound) lets its transfers run out before their
+// buffers go; only ClusterClient's destructor cuts them short.
 class LayerStream {
  public:
   ~LayerStream();  // cancels what is left; waits for a running on_layer
@@ -216,9 +217,12 @@ class LayerStream {
   // Blocks until layer `layer` of every block of the loaded prefix is
   // ready (and delivered to on_layer), then returns the prefix length (the
   // same for every layer; 0 when nothing was cached). Errors: CANCELLED,
-  // DEADLINE_EXCEEDED (the local work budget ran out), INVALID_ARGUMENT
-  // (layer out of range), or on_layer's error. Bounded by the call's
-  // deadline plus local_work_budget.
+  // DEADLINE_EXCEEDED (the layer did not arrive in time, or the local work
+  // budget ran out), UNAVAILABLE (a node failed mid-transfer),
+  // INVALID_ARGUMENT (layer out of range, a bad key), FAILED_PRECONDITION
+  // (namespace not registered), DATA_LOSS (a block of the wrong size), or
+  // on_layer's error. Bounded by the call's deadline plus
+  // local_work_budget.
   absl::StatusOr<uint32_t> WaitLayer(uint32_t layer);
 
   // Layer `layer` of block `block`; valid once WaitLayer(layer) succeeded,
@@ -229,8 +233,9 @@ class LayerStream {
   // Keys of unavailable nodes (valid once WaitLayer succeeded once).
   uint32_t unavailable_keys() const;
 
-  // Stops the stream: the fetch completes with CANCELLED, no further
-  // on_layer call starts, waiting and future WaitLayer calls fail.
+  // Stops the stream: no further on_layer call starts; waiting and future
+  // WaitLayer calls fail with CANCELLED (layers ready before stay
+  // readable through K and V).
   void Cancel();
 
   struct State;
@@ -350,21 +355,30 @@ class ClusterClient {
   absl::StatusOr<std::shared_ptr<const Namespace>> FindNamespace(
       const std::string& ns) const;
   absl::Time Deadline(const CallOptions& options) const;
+  // The options of one RPC of a call: the call's deadline, at most
+  // rpc_timeout from now, and `cancel`.
+  CallOptions RpcOptions(absl::Time deadline,
+                         const std::shared_ptr<CancelToken>& cancel) const;
   // Stops `call` at its deadline and when `cancel` fires.
   template <typename C>
   void Arm(const std::shared_ptr<C>& call,
            const std::shared_ptr<CancelToken>& cancel);
-  absl::Status EnsureRegistered(internal::NodeState& node, const Namespace& ns);
+  absl::Status EnsureRegistered(internal::NodeState& node, const Namespace& ns,
+                                const CallOptions& rpc);
   struct RunFlags {
     bool ensure_registered = true;
     bool reregister_on_not_found = false;
   };
-  // One operation on one node with the retry policy; marks the node down
-  // on UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED from the node.
+  // One operation on one node with the retry policy: `rpc(options)` with
+  // the options of each attempt (RpcOptions(deadline, cancel)). Marks the
+  // node down on UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED from the node
+  // (not on a CANCELLED of `cancel` or of shutdown).
   template <typename Fn>
   absl::Status RunOnNode(internal::NodeState& node, uint64_t epoch,
                          const Namespace& ns, absl::Notification& stop,
-                         absl::Time deadline, RunFlags flags, Fn&& rpc);
+                         absl::Time deadline,
+                         const std::shared_ptr<CancelToken>& cancel,
+                         RunFlags flags, Fn&& rpc);
   bool Submit(const std::shared_ptr<internal::NodeState>& node,
               absl::AnyInvocable<void()> task);
   void GetAsyncAt(const std::string& ns, std::vector<std::string> keys,
@@ -375,6 +389,10 @@ class ClusterClient {
   std::unique_ptr<internal::DeadlineTimer> timer_;
   std::unique_ptr<internal::Executor> work_;
   std::shared_ptr<std::atomic<bool>> shutting_down_;
+  // Fired by the destructor: ends the RPCs and transfers of layer-wise
+  // streams, which a stream's own cancel lets run out.
+  const std::shared_ptr<CancelToken> shutdown_cancel_ =
+      std::make_shared<CancelToken>();
 
   mutable absl::Mutex mu_;
   std::shared_ptr<const internal::Membership> members_ ABSL_GUARDED_BY(mu_);
