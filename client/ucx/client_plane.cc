@@ -20,6 +20,9 @@ namespace {
 constexpr size_t kRendezvousBytes = 64 << 10;
 // After a force-close, how long UCX may take to fail what was in flight.
 constexpr absl::Duration kCloseGrace = absl::Seconds(10);
+// How long an abandoned read on a connection without peer failure handling
+// may take to end on its own before its connection is closed anyway.
+constexpr absl::Duration kAbandonGrace = absl::Seconds(5);
 
 std::chrono::system_clock::time_point Chrono(absl::Time t) {
   if (t == absl::InfiniteFuture()) {
@@ -72,6 +75,10 @@ struct ClientPlane::Connection {
   std::string address;   // the connection's key
   std::string listener;  // for messages
   std::unique_ptr<Endpoint> ep;
+  // Whether the endpoint has peer failure handling. Without it (UCX 1.13's
+  // shared-memory transports) closing the connection does not stop the
+  // node's puts into a read's region.
+  bool peer_errors = true;
   bool described = false;  // lanes printed (KVCACHE_UCX_DEBUG)
   // Reads in progress on this connection, by token.
   absl::flat_hash_map<std::string, std::shared_ptr<ReadState>> reads;
@@ -83,7 +90,10 @@ struct ClientPlane::ReadState {
   uint32_t layers_done = 0;  // guarded by mu
   bool finished = false;     // guarded by mu: done, failed, or closed
   bool detached = false;     // guarded by mu: no longer in a connection
-  absl::Status status;       // guarded by mu
+  // guarded by mu: closing the connection stops the node's puts (see
+  // Connection::peer_errors); set when the read starts on a connection.
+  bool close_stops_puts = true;
+  absl::Status status;  // guarded by mu
 
   void Update(uint32_t layers, bool done, const absl::Status& s) {
     std::lock_guard<std::mutex> lock(mu);
@@ -199,6 +209,7 @@ absl::StatusOr<ClientPlane::Connection*> ClientPlane::GetConnection(
   conn->address = key;
   conn->listener = address.listener;
   conn->ep = *std::move(ep);
+  conn->peer_errors = peer_errors;
   Connection* raw = conn.get();
   address_by_ep_[raw->ep->get()] = key;
   connections_[key] = std::move(conn);
@@ -360,6 +371,10 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
       state->Detach(conn.status());
       return;
     }
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->close_stops_puts = (*conn)->peer_errors;
+    }
     (*conn)->reads[token_bytes] = state;
     read_connection_[token_bytes] = address.key();
     loop_->AddBusy(1);  // until the read ends: the node's puts need progress
@@ -453,16 +468,38 @@ void ClientPlane::EndRead(const std::string& token, uint32_t layers_done,
 }
 
 ClientPlane::Read::~Read() {
-  bool detached;
   {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    detached = state_->detached;
+    std::unique_lock<std::mutex> lock(state_->mu);
+    if (state_->detached) return;
+    if (!state_->close_stops_puts) {
+      // Closing would not stop the node's puts (shared memory): let the read
+      // end on its own, bounded, so that none lands after the region goes.
+      state_->cv.wait_until(lock, Chrono(absl::Now() + kAbandonGrace), [&] {
+        return state_->finished || state_->detached;
+      });
+      if (state_->detached || state_->finished) return;
+    } else if (state_->finished) {
+      return;
+    }
   }
-  if (!detached) {
-    // The node may still be putting into the region: close the connection
-    // (no more puts land) before the region is unmapped.
-    WaitLayersUntil(num_layers_, absl::Now(), nullptr).IgnoreError();
+  // The node may still be putting into the region: close the connection
+  // (no more puts land where closing stops them) before the region goes.
+  CloseAndWaitDetached().IgnoreError();
+}
+
+absl::Status ClientPlane::Read::CloseAndWaitDetached() {
+  ClientPlane* plane = plane_;
+  std::string address = address_;
+  plane->loop_->Post([plane, address] { plane->ForceCloseAddress(address); });
+  std::unique_lock<std::mutex> lock(state_->mu);
+  // Bounded: the close detaches every read of the connection.
+  state_->cv.wait_until(lock, Chrono(absl::Now() + kCloseGrace),
+                        [&] { return state_->detached; });
+  if (!state_->detached) {
+    return absl::InternalError(
+        "a data-plane read did not end after closing its connection");
   }
+  return absl::OkStatus();
 }
 
 absl::Status ClientPlane::Read::WaitLayers(uint32_t layers, absl::Time deadline,
@@ -487,17 +524,12 @@ absl::Status ClientPlane::Read::WaitLayersUntil(
            (cancelled != nullptr && cancelled->load());
   };
   if (!state_->cv.wait_until(lock, Chrono(deadline), ready)) {
+    const bool close = state_->close_stops_puts;
     lock.unlock();
-    ClientPlane* plane = plane_;
-    std::string address = address_;
-    plane->loop_->Post([plane, address] { plane->ForceCloseAddress(address); });
-    lock.lock();
-    // Bounded: the close detaches every read of the connection.
-    state_->cv.wait_until(lock, Chrono(absl::Now() + kCloseGrace),
-                          [&] { return state_->detached; });
-    if (!state_->detached) {
-      return absl::InternalError(
-          "a data-plane read did not end after closing its connection");
+    // Where closing stops the node, close now so the transfer fails; on
+    // shared memory the read stays open and the destructor waits for it.
+    if (close) {
+      if (absl::Status s = CloseAndWaitDetached(); !s.ok()) return s;
     }
     return absl::DeadlineExceededError(
         "the data-plane read passed the call's deadline");

@@ -145,12 +145,19 @@ class ClientPlane::Read {
   Read& operator=(const Read&) = delete;
 
   // Waits until `layers` layers are in place (num_layers: all), the read
-  // failed, `deadline` (then the connection is force-closed and the read
-  // fails with DEADLINE_EXCEEDED), or `cancel` (optional) fires: then this
-  // wait returns CANCELLED and the read goes on.
+  // failed, `deadline` (DEADLINE_EXCEEDED; where closing the connection
+  // stops the node's puts it is force-closed and the read fails, otherwise
+  // the read stays open for the destructor), or `cancel` (optional) fires:
+  // then this wait returns CANCELLED and the read goes on.
   absl::Status WaitLayers(uint32_t layers, absl::Time deadline,
                           CancelToken* cancel = nullptr);
   uint32_t num_layers() const { return num_layers_; }
+  // Destroying a Read that has not ended: on connections where closing
+  // stops the node (TCP, verbs) the connection is closed first; on UCX
+  // 1.13's shared memory, where it does not, the destructor first waits
+  // (bounded by kAbandonGrace) for the node's final report, so that no put
+  // lands in the region afterwards, and closes the connection only past
+  // that bound.
   MemoryRegion& region() { return *region_; }
 
  private:
@@ -166,6 +173,9 @@ class ClientPlane::Read {
         state_(std::move(state)),
         region_(std::move(region)),
         num_layers_(num_layers) {}
+
+  // Closes the read's connection and waits (bounded) until it is detached.
+  absl::Status CloseAndWaitDetached();
 
   ClientPlane* plane_;
   std::string address_;
