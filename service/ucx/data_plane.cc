@@ -416,27 +416,30 @@ std::function<void()> DataPlane::StageLocked(
     std::shared_ptr<WriteSession> session, uint32_t index) {
   ++session->encoding;
   std::shared_ptr<StagingBuffer> buffer = session->buffers[index];
-  return
-      [this, session = std::move(session), buffer = std::move(buffer), index] {
-        executor_([this, session, buffer, index] {
-          absl::Status status = store_->StageBlock(
-              session->id, index,
-              absl::MakeConstSpan(buffer->data(), session->block_bytes));
-          std::function<void()> done_work;
-          {
-            std::lock_guard<std::mutex> lock(mu_);
-            --session->encoding;
-            if (status.ok()) {
-              session->slots[index] = WriteSession::Slot::kStaged;
-              session->buffers[index].reset();  // staging returns early
-            } else if (session->error.ok()) {
-              session->error = status;
-            }
-            done_work = TakeForCommitLocked(session->id);
-          }
-          if (done_work) done_work();
-        });
-      };
+  return [this, session = std::move(session), buffer = std::move(buffer),
+          index]() mutable {
+    executor_([this, session, buffer = std::move(buffer), index]() mutable {
+      absl::Status status = store_->StageBlock(
+          session->id, index,
+          absl::MakeConstSpan(buffer->data(), session->block_bytes));
+      // This task's hold on the staging goes before the commit can
+      // answer: a client's next write must find the bytes free.
+      buffer.reset();
+      std::function<void()> done_work;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        --session->encoding;
+        if (status.ok()) {
+          session->slots[index] = WriteSession::Slot::kStaged;
+          session->buffers[index].reset();  // staging returns early
+        } else if (session->error.ok()) {
+          session->error = status;
+        }
+        done_work = TakeForCommitLocked(session->id);
+      }
+      if (done_work) done_work();
+    });
+  };
 }
 
 void DataPlane::Abort(uint64_t write_id) {
