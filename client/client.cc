@@ -226,6 +226,56 @@ struct Client::Impl {
   std::map<uintptr_t, Buffer> buffers;  // guarded by buffers_mu
   uint64_t next_buffer_id = 1;          // guarded by buffers_mu
 
+  // Landing zones of Get over the data plane: registered regions kept for
+  // reuse, so that a node keeps their keys (ReadStartHeader::buffer_id) and
+  // no read pays for a fresh mapping. At most kMaxIdleLandingBytes idle.
+  struct Landing {
+    std::shared_ptr<ucx::MemoryRegion> region;
+    uint64_t id = 0;
+  };
+  static constexpr size_t kMaxIdleLandingBytes = size_t{256} << 20;
+  std::multimap<size_t, Landing> idle_landings;  // guarded by buffers_mu
+  size_t idle_landing_bytes = 0;                 // guarded by buffers_mu
+
+  // An idle landing zone of [bytes, 2 * bytes) or a fresh one.
+  absl::StatusOr<Landing> TakeLanding(ucx::ClientPlane* plane, size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(buffers_mu);
+      auto it = idle_landings.lower_bound(bytes);
+      if (it != idle_landings.end() && it->first < 2 * bytes) {
+        Landing landing = std::move(it->second);
+        idle_landing_bytes -= it->first;
+        idle_landings.erase(it);
+        return landing;
+      }
+    }
+    absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> region =
+        plane->Allocate(bytes);
+    if (!region.ok()) return region.status();
+    Landing landing;
+    landing.region = *std::move(region);
+    std::lock_guard<std::mutex> lock(buffers_mu);
+    landing.id = next_buffer_id++;
+    return landing;
+  }
+  // Keeps `landing` for reuse when nothing else holds it (a read that
+  // outlived its call still might) and the idle bound allows; otherwise
+  // the node is told to drop its key and the region goes with its last
+  // holder.
+  void GiveBackLanding(ucx::ClientPlane* plane, Landing landing) {
+    const size_t size = landing.region->size();
+    {
+      std::lock_guard<std::mutex> lock(buffers_mu);
+      if (landing.region.use_count() == 1 &&
+          idle_landing_bytes + size <= kMaxIdleLandingBytes) {
+        idle_landing_bytes += size;
+        idle_landings.emplace(size, std::move(landing));
+        return;
+      }
+    }
+    plane->ReleaseBuffer(landing.id);
+  }
+
   // The registered DataBuffer region holding [data, data + n), if any, and
   // its id.
   std::shared_ptr<ucx::MemoryRegion> BufferHolding(const uint8_t* data,
@@ -668,13 +718,20 @@ absl::StatusOr<GetResult> Client::Get(const std::string& ns,
   absl::Status st = [&]() -> absl::Status {
     absl::StatusOr<ucx::ClientPlane*> ucx_plane = impl_->Plane();
     if (!ucx_plane.ok()) return ucx_plane.status();
-    absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> region =
-        (*ucx_plane)->Allocate(std::max<uint64_t>(total, 64));
-    if (!region.ok()) return region.status();
-    const uint8_t* base = (*region)->data();
+    absl::StatusOr<Impl::Landing> landing =
+        impl_->TakeLanding(*ucx_plane, std::max<uint64_t>(total, 64));
+    if (!landing.ok()) return landing.status();
+    // Back to the pool whatever happens (kept only if nothing holds it).
+    struct GiveBack {
+      Impl* impl;
+      ucx::ClientPlane* plane;
+      Impl::Landing* landing;
+      ~GiveBack() { impl->GiveBackLanding(plane, std::move(*landing)); }
+    } give_back{impl_.get(), *ucx_plane, &*landing};
+    const uint8_t* base = landing->region->data();
     absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
-        impl_->StartRead(*ucx_plane, response, *std::move(region), offsets,
-                         /*per_layer=*/false);
+        impl_->StartRead(*ucx_plane, response, landing->region, offsets,
+                         /*per_layer=*/false, landing->id);
     if (!transfer.ok()) return transfer.status();
     // Not cut short by a cancel: an abandoned transfer would close the
     // connection (and, without peer failure handling, could not stop the

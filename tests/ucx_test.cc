@@ -376,6 +376,29 @@ TEST_P(UcxTest, DataBuffersKeepTheirKeyAcrossReadsUntilReleased) {
   ExpectNothingHeld(absl::Seconds(5));
 }
 
+// Get over the data plane lands in a pooled, registered region: repeated
+// reads reuse it, so the node keeps one key for it instead of mapping a
+// fresh region per read.
+TEST_P(UcxTest, GetReusesItsLandingZone) {
+  const kernels::BlockShape shape = LargeShape();
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("landing", Codec::kNone, shape)).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "landing", shape, 0, 3).ok());
+  for (int round = 0; round < 4; ++round) {
+    auto got = client_->Get("landing", Keys(0, 3), ReadFormat::kFp16);
+    ASSERT_TRUE(got.ok()) << got.status();
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_EQ(got->blocks[i].bytes.size(), data_[i].size() * 2);
+      EXPECT_EQ(std::memcmp(got->blocks[i].bytes.data(), data_[i].data(),
+                            data_[i].size() * 2),
+                0)
+          << "round " << round << " block " << i;
+    }
+  }
+  EXPECT_EQ(node_->data_plane()->Stats().buffer_keys, 1u);
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
 // allow_missing over the data plane: the blocks that are there travel over
 // UCX into their keys' slots; the missing ones are listed; a read with
 // nothing to move needs no data-plane session at all.
