@@ -228,12 +228,12 @@ struct Client::Impl {
 
   // Landing zones of Get over the data plane: registered regions kept for
   // reuse, so that a node keeps their keys (ReadStartHeader::buffer_id) and
-  // no read pays for a fresh mapping. At most kMaxIdleLandingBytes idle.
+  // no read pays for a fresh mapping; DataBuffers come from and go back to
+  // the same pool. At most options.max_idle_buffer_bytes idle.
   struct Landing {
     std::shared_ptr<ucx::MemoryRegion> region;
     uint64_t id = 0;
   };
-  static constexpr size_t kMaxIdleLandingBytes = size_t{256} << 20;
   std::multimap<size_t, Landing> idle_landings;  // guarded by buffers_mu
   size_t idle_landing_bytes = 0;                 // guarded by buffers_mu
 
@@ -267,7 +267,7 @@ struct Client::Impl {
     {
       std::lock_guard<std::mutex> lock(buffers_mu);
       if (landing.region.use_count() == 1 &&
-          idle_landing_bytes + size <= kMaxIdleLandingBytes) {
+          idle_landing_bytes + size <= options.max_idle_buffer_bytes) {
         idle_landing_bytes += size;
         idle_landings.emplace(size, std::move(landing));
         return;
@@ -915,25 +915,26 @@ absl::StatusOr<std::unique_ptr<DataBuffer>> Client::AllocateBuffer(
                              : absl::StatusOr<ucx::ClientPlane*>(
                                    absl::FailedPreconditionError("gRPC only"));
   if (ucx_plane.ok()) {
-    absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> region =
-        (*ucx_plane)->Allocate(bytes);
-    if (!region.ok()) return region.status();
-    impl->region = *std::move(region);
+    absl::StatusOr<Impl::Landing> landing =
+        impl_->TakeLanding(*ucx_plane, bytes);
+    if (!landing.ok()) return landing.status();
+    impl->region = landing->region;
     const uintptr_t start = reinterpret_cast<uintptr_t>(impl->region->data());
-    uint64_t id;
+    const uint64_t id = landing->id;
     {
       std::lock_guard<std::mutex> lock(impl_->buffers_mu);
-      id = impl_->next_buffer_id++;
       impl_->buffers[start] = {bytes, id, impl->region};
     }
     Impl* client = impl_.get();
     ucx::ClientPlane* plane = *ucx_plane;
-    impl->unregister = [client, plane, start, id] {
+    // Back to the pool (kept only when no read still holds it).
+    impl->unregister = [client, plane, start, id, impl_raw = impl.get()] {
       {
         std::lock_guard<std::mutex> lock(client->buffers_mu);
         client->buffers.erase(start);
       }
-      plane->ReleaseBuffer(id);
+      Impl::Landing back{std::move(impl_raw->region), id};
+      client->GiveBackLanding(plane, std::move(back));
     };
   } else if (impl_->options.data_plane == DataPlane::kUcx) {
     return ucx_plane.status();

@@ -1312,7 +1312,14 @@ struct StreamChunk {
   std::string node_id;
   std::vector<uint32_t> indices;
   size_t stride = 0;
-  std::unique_ptr<uint8_t[]> buffer;  // indices.size() * stride bytes
+  // indices.size() * stride bytes, set by the chunk's task before its read:
+  // a DataBuffer of the node's Client (registered once and pooled, so that
+  // the node keeps its key; `owner` keeps that Client alive meanwhile), or
+  // heap memory when the client has no data plane.
+  uint8_t* buffer = nullptr;
+  std::shared_ptr<NodeState> owner;
+  std::unique_ptr<DataBuffer> registered;  // after `owner`: destroyed first
+  std::unique_ptr<uint8_t[]> heap;
 
   // Guarded by LayerStream::State::mu.
   GetResult metadata;  // blocks: index = position in `indices`
@@ -1535,7 +1542,7 @@ void FixPrefix(const std::shared_ptr<StreamState>& s, const StreamPrefix& p,
       const BlockData& meta = chunk.metadata.blocks[j];
       StreamBlock& block = s->blocks[b];
       block.chunk = &chunk;
-      block.bytes = chunk.buffer.get() + chunk.placements[j].offset;
+      block.bytes = chunk.buffer + chunk.placements[j].offset;
       block.length = chunk.placements[j].length;
       block.format = meta.format;
       chunk.needed = true;
@@ -1721,7 +1728,6 @@ std::unique_ptr<LayerStream> ClusterClient::GetLayerwise(
       }
       chunk->indices = std::move(indices);
       chunk->stride = stride;
-      chunk->buffer.reset(new uint8_t[chunk->indices.size() * stride]);
       state->chunks.push_back(chunk);
       tasks.push_back({plan.node, plan.epoch, std::move(chunk)});
     }
@@ -1760,6 +1766,17 @@ std::unique_ptr<LayerStream> ClusterClient::GetLayerwise(
       absl::StatusOr<std::unique_ptr<PendingRead>> read;
       absl::Status st = absl::CancelledError("node marked down");
       if (StillUsable(*node, epoch)) {
+        const size_t bytes = chunk->indices.size() * chunk->stride;
+        absl::StatusOr<std::unique_ptr<DataBuffer>> registered =
+            node->client->AllocateBuffer(bytes);
+        if (registered.ok() && (*registered)->registered()) {
+          chunk->owner = node;
+          chunk->registered = *std::move(registered);
+          chunk->buffer = chunk->registered->data();
+        } else {
+          chunk->heap = std::make_unique<uint8_t[]>(bytes);
+          chunk->buffer = chunk->heap.get();
+        }
         ReadOptions read_options;
         read_options.format = format;
         read_options.allow_missing = true;
@@ -1772,7 +1789,7 @@ std::unique_ptr<LayerStream> ClusterClient::GetLayerwise(
             [&](const CallOptions& rpc) {
               read = node->client->GetInto(
                   space->spec.name, sub, read_options,
-                  absl::MakeSpan(chunk->buffer.get(),
+                  absl::MakeSpan(chunk->buffer,
                                  chunk->indices.size() * chunk->stride),
                   chunk->stride, rpc);
               return read.status();

@@ -296,7 +296,7 @@ TEST_P(UcxTest, GetIntoDeliversLayerByLayerIntoCallerMemory) {
   ExpectNothingHeld(absl::Seconds(5));
 }
 
-TEST_P(UcxTest, DataBuffersKeepTheirKeyAcrossReadsUntilReleased) {
+TEST_P(UcxTest, DataBuffersKeepTheirKeyUntilTheClientLetsThemGo) {
   const kernels::BlockShape shape = LargeShape();
   ASSERT_TRUE(
       client_->RegisterNamespace(Spec("buffers", Codec::kNone, shape)).ok());
@@ -335,16 +335,48 @@ TEST_P(UcxTest, DataBuffersKeepTheirKeyAcrossReadsUntilReleased) {
     }
     EXPECT_EQ(waits_for_keys(1), 1u) << "one key kept for the buffer";
   }
-  // Freeing the buffer tells the node to drop its key.
-  EXPECT_EQ(waits_for_keys(0), 0u);
-  // Plain memory is registered per read and leaves no key behind.
+  // A freed buffer stays registered for reuse: the next one of its size
+  // gets its memory, and the node still has one key for it.
+  {
+    auto again = client_->AllocateBuffer(4 * stride);
+    ASSERT_TRUE(again.ok()) << again.status();
+    auto read = client_->GetInto("buffers", Keys(0, 1), ReadFormat::kFp16,
+                                 (*again)->span(), stride);
+    ASSERT_TRUE(read.ok()) << read.status();
+    ASSERT_TRUE((*read)->Wait().ok());
+    EXPECT_EQ(std::memcmp((*again)->data(), data_[0].data(), stride), 0);
+    EXPECT_EQ(node_->data_plane()->Stats().buffer_keys, 1u);
+  }
+  // With no idle memory allowed, freeing a buffer tells the node to drop
+  // its key.
+  {
+    ClientOptions copts;
+    copts.target = Target();
+    copts.timeout = absl::Seconds(20);
+    copts.data_plane = DataPlane::kUcx;
+    copts.max_idle_buffer_bytes = 0;
+    auto strict = Client::Connect(copts);
+    ASSERT_TRUE(strict.ok());
+    auto buffer = (*strict)->AllocateBuffer(stride);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    auto read = (*strict)->GetInto("buffers", Keys(0, 1), ReadFormat::kFp16,
+                                   (*buffer)->span(), stride);
+    ASSERT_TRUE(read.ok()) << read.status();
+    ASSERT_TRUE((*read)->Wait().ok());
+    read->reset();
+    EXPECT_EQ(waits_for_keys(2), 2u);
+    buffer->reset();
+    EXPECT_EQ(waits_for_keys(1), 1u);
+  }
+  // Plain memory is registered per read and leaves no key behind (the one
+  // key is the pooled buffer's).
   std::vector<uint8_t> heap(2 * stride);
   auto read = client_->GetInto("buffers", Keys(0, 2), ReadFormat::kRaw,
                                absl::MakeSpan(heap), stride);
   ASSERT_TRUE(read.ok()) << read.status();
   ASSERT_TRUE((*read)->Wait().ok());
   EXPECT_EQ(std::memcmp(heap.data(), data_[0].data(), stride), 0);
-  EXPECT_EQ(node_->data_plane()->Stats().buffer_keys, 0u);
+  EXPECT_EQ(node_->data_plane()->Stats().buffer_keys, 1u);
   // Puts from a buffer send from its registration: the bytes arrive intact.
   {
     auto source = client_->AllocateBuffer(2 * stride);

@@ -67,6 +67,10 @@ struct ClientOptions {
   // Largest gRPC message either way; a Put larger than this is split.
   int max_message_bytes = 256 << 20;
   DataPlane data_plane = DataPlane::kAuto;
+  // Registered memory kept for reuse once freed (DataBuffers, and the
+  // regions Get lands blocks in), so that later buffers and reads need no
+  // fresh mapping and nodes keep their keys; 0 frees at once.
+  size_t max_idle_buffer_bytes = size_t{256} << 20;
 };
 
 struct NamespaceSpec {
@@ -246,7 +250,9 @@ absl::Status DecodeRaw(const GetResult& result, const BlockData& block,
 // whose block lies inside one sends it from the registered memory. Without a
 // data plane (gRPC only) it is plain memory. A DataBuffer must not outlive the
 // Client that allocated it; reads in progress keep its registration alive until
-// they end.
+// they end. A freed buffer's memory stays registered for reuse by later
+// buffers and Gets (ClientOptions::max_idle_buffer_bytes), and nodes keep its
+// key until the client lets it go.
 class DataBuffer {
  public:
   struct Impl;
