@@ -1359,8 +1359,11 @@ int Store::RunMaintenance(absl::Time now) {
       if (reencode_queue_.empty()) break;
       job = std::move(reencode_queue_.front());
       reencode_queue_.pop_front();
+      ++reencodes_running_;
     }
     if (Reencode(job)) ++reencoded;
+    MutexLock lock(&reencode_mu_);
+    --reencodes_running_;
   }
   return reencoded;
 }
@@ -1401,7 +1404,7 @@ StoreStats Store::Stats() const {
   }
   {
     MutexLock lock(&reencode_mu_);
-    s.pending_reencodes = reencode_queue_.size();
+    s.pending_reencodes = reencode_queue_.size() + reencodes_running_;
   }
   MutexLock lock(&ns_mu_);
   for (uint32_t i = 0; i < num_namespaces_; ++i) {

@@ -197,7 +197,7 @@ struct StoreStats {
   uint32_t active_write_leases = 0;
   uint64_t expired_leases = 0;
   uint64_t reencoded_blocks = 0;
-  uint64_t pending_reencodes = 0;
+  uint64_t pending_reencodes = 0;  // queued or running
 };
 
 // Called after each block encode, outside every store mutex.
@@ -390,6 +390,8 @@ class Store {
 
   mutable Mutex reencode_mu_;
   std::deque<ReencodeJob> reencode_queue_ ABSL_GUARDED_BY(reencode_mu_);
+  // Jobs taken off the queue and not finished yet.
+  uint32_t reencodes_running_ ABSL_GUARDED_BY(reencode_mu_) = 0;
 
   std::atomic<uint64_t> tick_{0};
   std::atomic<uint64_t> serial_{0};

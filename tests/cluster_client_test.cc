@@ -799,6 +799,17 @@ TEST_F(ClusterTest, LayerwiseGetDeliversLayersInOrder) {
     auto put = cc->Put(spec.name, writes);
     ASSERT_TRUE(put.ok()) << put.status();
     ASSERT_EQ(put->stored, keys.size());
+    // KIVI's residual window re-encodes blocks in the background: let that
+    // settle first, so that the reference and the stream read the same
+    // encodings.
+    for (auto& node : nodes_) {
+      const absl::Time until = absl::Now() + absl::Seconds(10);
+      while (node->store()->Stats().pending_reencodes > 0 &&
+             absl::Now() < until) {
+        absl::SleepFor(absl::Milliseconds(5));
+      }
+      ASSERT_EQ(node->store()->Stats().pending_reencodes, 0u);
+    }
     auto node_fp16 = cc->Get(spec.name, keys, ReadFormat::kFp16);
     ASSERT_TRUE(node_fp16.ok());
     ASSERT_EQ(node_fp16->prefix_blocks, keys.size());
@@ -1016,6 +1027,17 @@ TEST_F(ClusterUcxTest, LayerwiseGetTravelsLayerByLayerOverUcx) {
     auto put = cc->Put(spec.name, writes);
     ASSERT_TRUE(put.ok()) << put.status();
     ASSERT_EQ(put->stored, keys.size());
+    // KIVI's residual window re-encodes blocks in the background: let that
+    // settle first, so that the reference and the stream read the same
+    // encodings.
+    for (auto& node : nodes_) {
+      const absl::Time until = absl::Now() + absl::Seconds(10);
+      while (node->store()->Stats().pending_reencodes > 0 &&
+             absl::Now() < until) {
+        absl::SleepFor(absl::Milliseconds(5));
+      }
+      ASSERT_EQ(node->store()->Stats().pending_reencodes, 0u);
+    }
     auto node_fp16 = cc->Get(spec.name, keys, ReadFormat::kFp16);
     ASSERT_TRUE(node_fp16.ok()) << node_fp16.status();
     ASSERT_EQ(node_fp16->prefix_blocks, keys.size());
