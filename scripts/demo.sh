@@ -34,7 +34,7 @@ cat "$log"
 echo
 echo "a few of the node's metrics:"
 curl -sf "http://127.0.0.1:$metrics_port/metrics" |
-  grep -E '^kvcache_(pool_used_ratio|blocks|token_capacity_remaining\{codec="(none|fp8_e4m3|kivi2)",namespace="demo-llama/none"|lookup_blocks_total)' || true
+  grep -E '^kvcache_(pool_used_ratio|blocks|token_capacity_remaining\{codec="(none|fp8_e4m3|kivi2)",kv_namespace="demo-llama/none"|lookup_blocks_total)' || true
 if [[ ${KEEP_NODE:-0} == 1 ]]; then
   trap - EXIT
   echo "node still running (pid $node_pid): http://127.0.0.1:$metrics_port/metrics; stop it with kill $node_pid"

@@ -102,7 +102,7 @@ class Metrics::StoreCollector : public prometheus::Collectable {
     for (const store::NamespaceStats& ns : s.namespaces) {
       for (size_t c = 0; c < ns.tokens_that_fit.size(); ++c) {
         AddValue(&fit, ns.tokens_that_fit[c],
-                 {{"codec", CodecLabel(c)}, {"namespace", ns.name}});
+                 {{"codec", CodecLabel(c)}, {"kv_namespace", ns.name}});
       }
     }
     out.push_back(std::move(fit));
@@ -148,7 +148,7 @@ class Metrics::StoreCollector : public prometheus::Collectable {
                "Blocks kept fp16 in KIVI's residual window, per namespace.",
                MetricType::Gauge);
     for (const store::NamespaceStats& ns : s.namespaces) {
-      AddValue(&residual, ns.residual_blocks, {{"namespace", ns.name}});
+      AddValue(&residual, ns.residual_blocks, {{"kv_namespace", ns.name}});
     }
     out.push_back(std::move(residual));
 

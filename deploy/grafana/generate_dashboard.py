@@ -8,7 +8,7 @@ consistent; edit this file, then run it:
     python3 deploy/grafana/generate_dashboard.py --check  # fail if stale
 
 Variables: datasource (a Prometheus), job (default kvcache), instance (one
-node, several, or All = the total over all nodes) and namespace (the KV
+node, several, or All = the total over all nodes) and kv_namespace (the KV
 namespace of kvcache_token_capacity_remaining). Every panel shows the total
 over the selected nodes and/or one series per node (instance).
 """
@@ -170,12 +170,12 @@ def build():
     L.add(timeseries("Tokens that still fit (total)",
                      "Free pool space in tokens, per registered namespace layout and codec, summed over the "
                      "selected nodes. Different namespaces are alternatives, not additive.",
-                     targets((f'sum by (namespace, codec) (kvcache_token_capacity_remaining{{{S},namespace=~"$namespace"}})',
-                              "{{namespace}} {{codec}}"))), 12, 8)
+                     targets((f'sum by (kv_namespace, codec) (kvcache_token_capacity_remaining{{{S},kv_namespace=~"$kv_namespace"}})',
+                              "{{kv_namespace}} {{codec}}"))), 12, 8)
     L.add(timeseries("Tokens that still fit per node",
                      "Free pool space of each node in tokens, per namespace layout and codec.",
-                     targets((f'sum by (instance, namespace, codec) (kvcache_token_capacity_remaining{{{S},namespace=~"$namespace"}})',
-                              "{{instance}} {{namespace}} {{codec}}"))), 12, 8)
+                     targets((f'sum by (instance, kv_namespace, codec) (kvcache_token_capacity_remaining{{{S},kv_namespace=~"$kv_namespace"}})',
+                              "{{instance}} {{kv_namespace}} {{codec}}"))), 12, 8)
     L.add(timeseries("Effective compression ratio",
                      "sum(kvcache_logical_bytes) / sum(kvcache_pool_used_bytes): total and per node.",
                      targets((compression(), "total"), (compression("instance"), "{{instance}}")),
@@ -273,8 +273,8 @@ def build():
                   current={"selected": True, "text": "kvcache", "value": "kvcache"}),
         query_var("instance", "Node", 'label_values(kvcache_build_info{job="$job"}, instance)', True, True,
                   all_value=".*", current={"selected": True, "text": ["All"], "value": ["$__all"]}),
-        query_var("namespace", "KV namespace",
-                  'label_values(kvcache_token_capacity_remaining{job="$job"}, namespace)', True, True,
+        query_var("kv_namespace", "KV namespace",
+                  'label_values(kvcache_token_capacity_remaining{job="$job"}, kv_namespace)', True, True,
                   all_value=".*", current={"selected": True, "text": ["All"], "value": ["$__all"]}),
     ]}
 

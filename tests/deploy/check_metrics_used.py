@@ -36,7 +36,7 @@ PROMETHEUS_MADE = {"up", "ALERTS", "ALERTS_FOR_STATE"}
 PROMETHEUS_MADE_PREFIXES = ("scrape_",)
 # Labels Prometheus attaches to every scraped series (static config and the
 # PodMonitor in deploy/k8s/components/monitoring).
-TARGET_LABELS = {"job", "instance", "k8s_namespace", "pod", "container", "endpoint"}
+TARGET_LABELS = {"job", "instance", "namespace", "pod", "container", "endpoint"}
 
 KEYWORDS = {
     "and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",

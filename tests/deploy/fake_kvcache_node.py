@@ -52,7 +52,7 @@ def exposition():
         "# TYPE kvcache_pool_used_ratio gauge", f"kvcache_pool_used_ratio {used / CAPACITY}",
         "# TYPE kvcache_token_capacity_remaining gauge",
     ]
-    lines += [f'kvcache_token_capacity_remaining{{namespace="{ns}",codec="fp8_e4m3"}} '
+    lines += [f'kvcache_token_capacity_remaining{{kv_namespace="{ns}",codec="fp8_e4m3"}} '
               f"{(CAPACITY - used) // BYTES_PER_TOKEN}" for ns in nss]
     return ("\n".join(lines) + "\n").encode()
 

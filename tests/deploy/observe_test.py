@@ -171,7 +171,7 @@ def main():
         if any(vals and vals[-1] < max(vals) for _, vals in series):
             moved.append(t)
         detail.append(f"{t}: " + "; ".join(
-            f"{l.get('namespace')}/{l.get('codec')} {int(max(v))} -> {int(v[-1])}" for l, v in series if v))
+            f"{l.get('kv_namespace')}/{l.get('codec')} {int(max(v))} -> {int(v[-1])}" for l, v in series if v))
     need = 1 if args.any_node else len(targets)
     c.record("kvcache_token_capacity_remaining went down during the load", len(moved) >= need and not missing,
              " | ".join(detail) or "no samples in the load window")
