@@ -954,6 +954,36 @@ TEST_P(UcxTest, PausedNodeEndsCallsAtTheirDeadlineOrWhenCancelled) {
     EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
     EXPECT_LT(returned - deadline, absl::Seconds(1));
   }
+  // Shared memory: destroying an unfinished read waits (bounded) for the
+  // node's final report, so that no put lands after the destructor.
+  if (!peer_failures) {
+    bool caught = false;
+    absl::Duration took;
+    for (int attempt = 0; attempt < 10 && !caught; ++attempt) {
+      std::fill(buffer.begin(), buffer.end(), 0);
+      auto read = (*client)->GetInto("paused", Keys(0, kBlocks), ReadOptions{},
+                                     absl::MakeSpan(buffer), stride);
+      ASSERT_TRUE(read.ok()) << read.status();
+      node.Pause();
+      std::thread resumer([&] {
+        absl::SleepFor(absl::Milliseconds(300));
+        node.Resume();
+      });
+      const absl::Time start = absl::Now();
+      read->reset();
+      took = absl::Now() - start;
+      resumer.join();
+      // A read that had landed before the pause returns at once: again.
+      caught = took >= absl::Milliseconds(250);
+    }
+    ASSERT_TRUE(caught) << "every read landed before the node was paused";
+    EXPECT_LT(took, absl::Seconds(5));
+    for (int b = 0; b < kBlocks; ++b) {
+      EXPECT_EQ(
+          std::memcmp(buffer.data() + b * stride, data_[b].data(), stride), 0)
+          << "block " << b << " was not all there when the read ended";
+    }
+  }
   // Control-plane calls to the paused node.
   node.Pause();
   CallOptions short_call;
