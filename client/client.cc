@@ -323,32 +323,40 @@ struct Client::Impl {
   // ends the lease at its TTL anyway), so a call never outlives its
   // deadline for them.
   void AbortWriteAsync(uint64_t write_id) {
-    struct Call {
-      grpc::ClientContext ctx;
-      v1::AbortWriteRequest request;
-      v1::AbortWriteResponse response;
-    };
-    // Owned by the callback: gone once the answer (or the deadline) is in.
-    auto call = std::make_shared<Call>();
-    call->request.set_write_id(write_id);
-    call->ctx.set_deadline(
-        Chrono(absl::Now() + std::min(options.timeout, kCleanupTimeout)));
-    stub->async()->AbortWrite(&call->ctx, &call->request, &call->response,
-                              [call](grpc::Status) mutable { call.reset(); });
+    v1::AbortWriteRequest request;
+    request.set_write_id(write_id);
+    SendCleanup<v1::AbortWriteResponse>(
+        std::move(request), [this](auto* ctx, auto* req, auto* resp,
+                                   std::function<void(grpc::Status)> done) {
+          stub->async()->AbortWrite(ctx, req, resp, std::move(done));
+        });
   }
   void AbandonRead(uint64_t read_id) {
     if (read_id == 0) return;
+    v1::EndReadRequest request;
+    request.set_lease_id(read_id);
+    SendCleanup<v1::EndReadResponse>(
+        std::move(request), [this](auto* ctx, auto* req, auto* resp,
+                                   std::function<void(grpc::Status)> done) {
+          stub->async()->EndRead(ctx, req, resp, std::move(done));
+        });
+  }
+  // Sends one unary request with the callback API and forgets it: the call's
+  // state is owned by its callback, gone once the answer (or the deadline)
+  // is in.
+  template <typename Response, typename Request, typename Start>
+  void SendCleanup(Request request, Start start) {
     struct Call {
       grpc::ClientContext ctx;
-      v1::EndReadRequest request;
-      v1::EndReadResponse response;
+      Request request;
+      Response response;
     };
     auto call = std::make_shared<Call>();
-    call->request.set_lease_id(read_id);
+    call->request = std::move(request);
     call->ctx.set_deadline(
         Chrono(absl::Now() + std::min(options.timeout, kCleanupTimeout)));
-    stub->async()->EndRead(&call->ctx, &call->request, &call->response,
-                           [call](grpc::Status) mutable { call.reset(); });
+    start(&call->ctx, &call->request, &call->response,
+          [call](grpc::Status) mutable { call.reset(); });
   }
 
   // Whether to ask the node for the data plane: not with kGrpc, nor once

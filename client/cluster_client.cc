@@ -218,32 +218,6 @@ std::vector<std::vector<uint32_t>> Chunks(const std::vector<uint32_t>& indices,
   return out;
 }
 
-// The policy of layer `l` alone (a one-layer block), so that a raw block can
-// be decoded one layer at a time.
-CodecPolicy LayerPolicy(const BlockShape& shape, const CodecPolicy& policy,
-                        uint32_t l) {
-  CodecPolicy out;
-  out.kivi_group_size = policy.kivi_group_size;
-  const bool fp16 =
-      policy.codec == Codec::kNone ||
-      std::find(policy.fp16_layers.begin(), policy.fp16_layers.end(), l) !=
-          policy.fp16_layers.end();
-  if (fp16) return out;
-  out.codec = policy.codec;
-  out.scale_mode = policy.scale_mode;
-  const size_t h = shape.num_kv_heads;
-  if (policy.scale_mode == ScaleMode::kStaticPerLayer) {
-    out.static_k_scales = {policy.static_k_scales[l]};
-    out.static_v_scales = {policy.static_v_scales[l]};
-  } else if (policy.scale_mode == ScaleMode::kStaticPerLayerHead) {
-    out.static_k_scales.assign(policy.static_k_scales.begin() + l * h,
-                               policy.static_k_scales.begin() + (l + 1) * h);
-    out.static_v_scales.assign(policy.static_v_scales.begin() + l * h,
-                               policy.static_v_scales.begin() + (l + 1) * h);
-  }
-  return out;
-}
-
 std::chrono::system_clock::time_point ToChrono(absl::Time t) {
   return absl::ToChronoTime(t);
 }
@@ -1408,7 +1382,7 @@ absl::Status DecodeRawLayer(const BlockShape& shape, const StreamBlock& block,
   BlockShape one = shape;
   one.num_layers = 1;
   return kernels::DecodeBlock(
-      one, LayerPolicy(shape, block.policy, l),
+      one, kernels::LayerPolicy(shape, block.policy, l),
       absl::MakeConstSpan(block.bytes + block.offsets[l],
                           block.offsets[l + 1] - block.offsets[l]),
       out);
@@ -1565,8 +1539,8 @@ void FixPrefix(const std::shared_ptr<StreamState>& s, const StreamPrefix& p,
       for (uint32_t l = 0; l < s->num_layers; ++l) {
         block.offsets.push_back(
             block.offsets.back() +
-            kernels::EncodedBlockBytes(one,
-                                       LayerPolicy(s->shape, block.policy, l)));
+            kernels::EncodedBlockBytes(
+                one, kernels::LayerPolicy(s->shape, block.policy, l)));
       }
       if (block.offsets.back() != block.length) {
         error = absl::DataLossError(

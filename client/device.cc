@@ -117,32 +117,6 @@ class StagingPool {
 
 // ---- Layouts
 
-// The policy of layer `l` alone (a one-layer block): a raw block's encoding
-// is its layers' encodings back to back, each decodable on its own.
-CodecPolicy LayerPolicy(const BlockShape& shape, const CodecPolicy& policy,
-                        uint32_t l) {
-  CodecPolicy out;
-  out.kivi_group_size = policy.kivi_group_size;
-  if (policy.codec == Codec::kNone ||
-      std::find(policy.fp16_layers.begin(), policy.fp16_layers.end(), l) !=
-          policy.fp16_layers.end()) {
-    return out;  // stored fp16
-  }
-  out.codec = policy.codec;
-  out.scale_mode = policy.scale_mode;
-  const size_t h = shape.num_kv_heads;
-  if (policy.scale_mode == ScaleMode::kStaticPerLayer) {
-    out.static_k_scales = {policy.static_k_scales[l]};
-    out.static_v_scales = {policy.static_v_scales[l]};
-  } else if (policy.scale_mode == ScaleMode::kStaticPerLayerHead) {
-    out.static_k_scales.assign(policy.static_k_scales.begin() + l * h,
-                               policy.static_k_scales.begin() + (l + 1) * h);
-    out.static_v_scales.assign(policy.static_v_scales.begin() + l * h,
-                               policy.static_v_scales.begin() + (l + 1) * h);
-  }
-  return out;
-}
-
 // Layer l of one block: its bytes in the staging slot and where its output
 // goes in the destination slot (offsets from the slot's start).
 struct Segment {
@@ -315,7 +289,7 @@ struct DeviceRead::Impl {
     layer_shape.num_layers = 1;
     const uint64_t layer_fp16 = kernels::Fp16BlockBytes(layer_shape);
     for (uint32_t l = 0; l < L; ++l) {
-      layer_policy.push_back(LayerPolicy(shape, policy, l));
+      layer_policy.push_back(kernels::LayerPolicy(shape, policy, l));
     }
     const CodecPolicy fp16_policy;
     segments.resize(num_blocks * L);

@@ -311,6 +311,32 @@ size_t EncodedBlockBytes(const BlockShape& shape, const CodecPolicy& policy) {
   return SectionPlan(shape, policy).EncodedBytes();
 }
 
+CodecPolicy LayerPolicy(const BlockShape& shape, const CodecPolicy& policy,
+                        uint32_t layer) {
+  CodecPolicy out;
+  out.kivi_group_size = policy.kivi_group_size;
+  if (policy.codec == Codec::kNone ||
+      std::find(policy.fp16_layers.begin(), policy.fp16_layers.end(), layer) !=
+          policy.fp16_layers.end()) {
+    return out;  // stored fp16
+  }
+  out.codec = policy.codec;
+  out.scale_mode = policy.scale_mode;
+  const size_t h = shape.num_kv_heads;
+  if (policy.scale_mode == ScaleMode::kStaticPerLayer) {
+    out.static_k_scales = {policy.static_k_scales[layer]};
+    out.static_v_scales = {policy.static_v_scales[layer]};
+  } else if (policy.scale_mode == ScaleMode::kStaticPerLayerHead) {
+    out.static_k_scales.assign(
+        policy.static_k_scales.begin() + layer * h,
+        policy.static_k_scales.begin() + (layer + 1) * h);
+    out.static_v_scales.assign(
+        policy.static_v_scales.begin() + layer * h,
+        policy.static_v_scales.begin() + (layer + 1) * h);
+  }
+  return out;
+}
+
 absl::Status EncodeBlock(const BlockShape& shape, const CodecPolicy& policy,
                          absl::Span<const uint16_t> fp16_in,
                          absl::Span<uint8_t> encoded_out) {

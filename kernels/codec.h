@@ -96,6 +96,15 @@ size_t Fp16BlockBytes(const BlockShape& shape);
 // Exact encoded size; the policy must be valid.
 size_t EncodedBlockBytes(const BlockShape& shape, const CodecPolicy& policy);
 
+// The policy of layer `layer` alone, for `shape` with num_layers = 1: a
+// block's encoding is its layers' encodings back to back, and encoding or
+// decoding one layer's slice with this policy gives the same bytes as the
+// whole block does for that layer. A layer kept at fp16 (codec none, or in
+// fp16_layers) gets codec none; static scales are cut to that layer's. The
+// policy must be valid for `shape`.
+CodecPolicy LayerPolicy(const BlockShape& shape, const CodecPolicy& policy,
+                        uint32_t layer);
+
 // Fast path (SIMD on the CPU). INVALID_ARGUMENT for an invalid policy, spans
 // of the wrong size, or non-finite input: the message names layer, K|V,
 // head, token and channel of the first one, and the output then holds no

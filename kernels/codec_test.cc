@@ -1,5 +1,6 @@
 #include "kernels/codec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -206,6 +207,57 @@ TEST(CodecSizeTest, ExactSizes) {
   // Odd element counts round the packed codes up to whole bytes.
   k.kivi_group_size = 1;
   EXPECT_EQ(EncodedBlockBytes(BlockShape{1, 1, 1, 3}, k), 2u * (12 + 1));
+}
+
+// A block's encoding is its layers' encodings back to back: each layer's
+// slice encodes and decodes alone with LayerPolicy, to the same bytes.
+TEST(LayerPolicyTest, EachLayerEncodesAndDecodesAlone) {
+  const BlockShape shape{4, 2, 32, 32};
+  std::vector<CodecPolicy> policies(5);
+  policies[0].codec = Codec::kFp8E4M3;
+  policies[1].codec = Codec::kKivi2;
+  policies[1].fp16_layers = {1, 3};
+  policies[2].codec = Codec::kFp8E5M2;
+  policies[2].scale_mode = ScaleMode::kStaticPerLayer;
+  policies[2].static_k_scales = {0.5f, 1.0f, 2.0f, 4.0f};
+  policies[2].static_v_scales = {0.25f, 1.0f, 3.0f, 8.0f};
+  policies[3].codec = Codec::kFp8E4M3;
+  policies[3].scale_mode = ScaleMode::kStaticPerLayerHead;
+  policies[3].fp16_layers = {2};
+  for (int i = 0; i < 8; ++i) {
+    policies[3].static_k_scales.push_back(0.01f * (i + 1));
+    policies[3].static_v_scales.push_back(0.02f * (i + 1));
+  }
+  policies[4].codec = Codec::kKivi4;
+  for (const CodecPolicy& policy : policies) {
+    ASSERT_TRUE(ValidatePolicy(shape, policy).ok());
+    const std::vector<uint16_t> in = GaussianBlock(shape, 11);
+    const Encoded whole = RoundTrip(shape, policy, in);
+    BlockShape one = shape;
+    one.num_layers = 1;
+    const size_t layer_elems = 2 * SectionElems(shape);
+    size_t offset = 0;
+    for (uint32_t l = 0; l < shape.num_layers; ++l) {
+      const CodecPolicy lp = LayerPolicy(shape, policy, l);
+      ASSERT_TRUE(ValidatePolicy(one, lp).ok()) << "layer " << l;
+      const size_t bytes = EncodedBlockBytes(one, lp);
+      ASSERT_LE(offset + bytes, whole.bytes.size());
+      std::vector<uint16_t> slice(in.begin() + l * layer_elems,
+                                  in.begin() + (l + 1) * layer_elems);
+      std::vector<uint8_t> encoded(bytes);
+      ASSERT_TRUE(EncodeBlock(one, lp, slice, absl::MakeSpan(encoded)).ok());
+      EXPECT_EQ(0,
+                std::memcmp(encoded.data(), whole.bytes.data() + offset, bytes))
+          << CodecName(policy.codec) << " layer " << l;
+      std::vector<uint16_t> decoded(layer_elems);
+      ASSERT_TRUE(DecodeBlock(one, lp, encoded, absl::MakeSpan(decoded)).ok());
+      EXPECT_TRUE(std::equal(decoded.begin(), decoded.end(),
+                             whole.decoded.begin() + l * layer_elems))
+          << CodecName(policy.codec) << " layer " << l;
+      offset += bytes;
+    }
+    EXPECT_EQ(offset, whole.bytes.size()) << CodecName(policy.codec);
+  }
 }
 
 TEST(CodecApiTest, RejectsWrongSizes) {

@@ -265,6 +265,19 @@ class ClusterTest : public ::testing::Test {
   }
 
   bool ucx_ = false;  // nodes run the UCX data plane
+  // Waits (bounded) until no node has a KIVI re-encode queued or running.
+  bool AwaitReencodes() {
+    for (auto& node : nodes_) {
+      const absl::Time until = absl::Now() + absl::Seconds(10);
+      while (node->store()->Stats().pending_reencodes > 0 &&
+             absl::Now() < until) {
+        absl::SleepFor(absl::Milliseconds(5));
+      }
+      if (node->store()->Stats().pending_reencodes > 0) return false;
+    }
+    return true;
+  }
+
   std::vector<std::unique_ptr<service::Node>> nodes_;
   std::vector<int> ports_;
 };
@@ -802,14 +815,7 @@ TEST_F(ClusterTest, LayerwiseGetDeliversLayersInOrder) {
     // KIVI's residual window re-encodes blocks in the background: let that
     // settle first, so that the reference and the stream read the same
     // encodings.
-    for (auto& node : nodes_) {
-      const absl::Time until = absl::Now() + absl::Seconds(10);
-      while (node->store()->Stats().pending_reencodes > 0 &&
-             absl::Now() < until) {
-        absl::SleepFor(absl::Milliseconds(5));
-      }
-      ASSERT_EQ(node->store()->Stats().pending_reencodes, 0u);
-    }
+    ASSERT_TRUE(AwaitReencodes());
     auto node_fp16 = cc->Get(spec.name, keys, ReadFormat::kFp16);
     ASSERT_TRUE(node_fp16.ok());
     ASSERT_EQ(node_fp16->prefix_blocks, keys.size());
@@ -1030,14 +1036,7 @@ TEST_F(ClusterUcxTest, LayerwiseGetTravelsLayerByLayerOverUcx) {
     // KIVI's residual window re-encodes blocks in the background: let that
     // settle first, so that the reference and the stream read the same
     // encodings.
-    for (auto& node : nodes_) {
-      const absl::Time until = absl::Now() + absl::Seconds(10);
-      while (node->store()->Stats().pending_reencodes > 0 &&
-             absl::Now() < until) {
-        absl::SleepFor(absl::Milliseconds(5));
-      }
-      ASSERT_EQ(node->store()->Stats().pending_reencodes, 0u);
-    }
+    ASSERT_TRUE(AwaitReencodes());
     auto node_fp16 = cc->Get(spec.name, keys, ReadFormat::kFp16);
     ASSERT_TRUE(node_fp16.ok()) << node_fp16.status();
     ASSERT_EQ(node_fp16->prefix_blocks, keys.size());

@@ -36,28 +36,13 @@ uint64_t LoadLe64(const char* p) {
   return v;
 }
 
-// The encoded bytes of layer `layer` alone: the same shape with one layer
-// and the policy restricted to that layer.
+// The encoded bytes of layer `layer` alone.
 uint64_t EncodedLayerBytes(const kernels::BlockShape& shape,
                            const kernels::CodecPolicy& policy, uint32_t layer) {
   kernels::BlockShape one = shape;
   one.num_layers = 1;
-  kernels::CodecPolicy p = policy;
-  p.fp16_layers.clear();
-  for (uint32_t l : policy.fp16_layers) {
-    if (l == layer) p.fp16_layers.push_back(0);
-  }
-  auto slice = [&](const std::vector<float>& all) {
-    std::vector<float> out;
-    if (all.empty()) return out;
-    size_t per_layer = all.size() / shape.num_layers;
-    out.assign(all.begin() + layer * per_layer,
-               all.begin() + (layer + 1) * per_layer);
-    return out;
-  };
-  p.static_k_scales = slice(policy.static_k_scales);
-  p.static_v_scales = slice(policy.static_v_scales);
-  return kernels::EncodedBlockBytes(one, p);
+  return kernels::EncodedBlockBytes(one,
+                                    kernels::LayerPolicy(shape, policy, layer));
 }
 
 }  // namespace
@@ -457,6 +442,12 @@ void DataPlane::Abort(uint64_t write_id) {
   }
 }
 
+DataPlane::Connection* DataPlane::SenderOf(const ucp_am_recv_param_t* param) {
+  return (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
+             ? FindConnection(param->reply_ep)
+             : nullptr;
+}
+
 bool DataPlane::BindLocked(uint64_t* session_conn, uint64_t conn_id) {
   if (*session_conn == 0) *session_conn = conn_id;
   return *session_conn == conn_id;
@@ -466,9 +457,7 @@ ucs_status_t DataPlane::OnWriteBlock(
     void* arg, const void* header, size_t header_length, void* data,
     size_t length, const ucp_am_recv_param_t* param) noexcept {
   auto* self = static_cast<DataPlane*>(arg);
-  Connection* conn = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
-                         ? self->FindConnection(param->reply_ep)
-                         : nullptr;
+  Connection* conn = self->SenderOf(param);
   if (conn == nullptr) return UCS_OK;  // unknown sender: dropped
   self->HandleWriteBlock(
       conn, absl::string_view(static_cast<const char*>(header), header_length),
@@ -611,9 +600,7 @@ ucs_status_t DataPlane::OnReadStart(void* arg, const void* header,
                                     size_t length,
                                     const ucp_am_recv_param_t* param) noexcept {
   auto* self = static_cast<DataPlane*>(arg);
-  Connection* conn = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
-                         ? self->FindConnection(param->reply_ep)
-                         : nullptr;
+  Connection* conn = self->SenderOf(param);
   if (conn == nullptr) return UCS_OK;
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
     // A read request is a few hundred bytes; a rendezvous one is abuse.
@@ -639,9 +626,7 @@ ucs_status_t DataPlane::OnReleaseBuffer(
     void* arg, const void* header, size_t header_length, void* data,
     size_t length, const ucp_am_recv_param_t* param) noexcept {
   auto* self = static_cast<DataPlane*>(arg);
-  Connection* conn = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
-                         ? self->FindConnection(param->reply_ep)
-                         : nullptr;
+  Connection* conn = self->SenderOf(param);
   if (conn == nullptr) return UCS_OK;
   absl::StatusOr<ReleaseBufferHeader> h = DecodeReleaseBuffer(
       absl::string_view(static_cast<const char*>(header), header_length));

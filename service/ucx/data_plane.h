@@ -201,6 +201,9 @@ class DataPlane {
   // Loop thread. The connection an active message came from; a peer that
   // connected to the worker address is adopted here, unauthenticated.
   Connection* FindConnection(ucp_ep_h ep);
+  // The connection an active message came from (its reply endpoint), or
+  // null.
+  Connection* SenderOf(const ucp_am_recv_param_t* param);
   void CloseConnection(uint64_t conn_id, const char* why);
   void HandleWriteBlock(Connection* conn, absl::string_view header, void* data,
                         size_t length, bool rendezvous);
