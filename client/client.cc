@@ -226,10 +226,10 @@ struct Client::Impl {
   std::map<uintptr_t, Buffer> buffers;  // guarded by buffers_mu
   uint64_t next_buffer_id = 1;          // guarded by buffers_mu
 
-  // Landing zones of Get over the data plane: registered regions kept for
-  // reuse, so that a node keeps their keys (ReadStartHeader::buffer_id) and
-  // no read pays for a fresh mapping; DataBuffers come from and go back to
-  // the same pool. At most options.max_idle_buffer_bytes idle.
+  // The memory of DataBuffers (and so of Get's landing zones): registered
+  // regions kept for reuse once freed, so that a node keeps their keys
+  // (ReadStartHeader::buffer_id) and no read pays for a fresh mapping. At
+  // most options.max_idle_buffer_bytes idle.
   struct Landing {
     std::shared_ptr<ucx::MemoryRegion> region;
     uint64_t id = 0;
@@ -237,7 +237,7 @@ struct Client::Impl {
   std::multimap<size_t, Landing> idle_landings;  // guarded by buffers_mu
   size_t idle_landing_bytes = 0;                 // guarded by buffers_mu
 
-  // An idle landing zone of [bytes, 2 * bytes) or a fresh one.
+  // An idle region of [bytes, 2 * bytes) or a fresh one.
   absl::StatusOr<Landing> TakeLanding(ucx::ClientPlane* plane, size_t bytes) {
     {
       std::lock_guard<std::mutex> lock(buffers_mu);
@@ -726,20 +726,21 @@ absl::StatusOr<GetResult> Client::Get(const std::string& ns,
   absl::Status st = [&]() -> absl::Status {
     absl::StatusOr<ucx::ClientPlane*> ucx_plane = impl_->Plane();
     if (!ucx_plane.ok()) return ucx_plane.status();
-    absl::StatusOr<Impl::Landing> landing =
-        impl_->TakeLanding(*ucx_plane, std::max<uint64_t>(total, 64));
+    // A DataBuffer from the client's pool: the node keeps its key, and it
+    // goes back to the pool when this read is over.
+    absl::StatusOr<std::unique_ptr<DataBuffer>> landing =
+        AllocateBuffer(std::max<uint64_t>(total, 64));
     if (!landing.ok()) return landing.status();
-    // Back to the pool whatever happens (kept only if nothing holds it).
-    struct GiveBack {
-      Impl* impl;
-      ucx::ClientPlane* plane;
-      Impl::Landing* landing;
-      ~GiveBack() { impl->GiveBackLanding(plane, std::move(*landing)); }
-    } give_back{impl_.get(), *ucx_plane, &*landing};
-    const uint8_t* base = landing->region->data();
+    const uint8_t* base = (*landing)->data();
+    uint64_t buffer_id = 0;
+    std::shared_ptr<ucx::MemoryRegion> region =
+        impl_->BufferHolding(base, (*landing)->size(), &buffer_id);
+    if (region == nullptr) {
+      return absl::UnavailableError("no registered memory for the read");
+    }
     absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
-        impl_->StartRead(*ucx_plane, response, landing->region, offsets,
-                         /*per_layer=*/false, landing->id);
+        impl_->StartRead(*ucx_plane, response, std::move(region), offsets,
+                         /*per_layer=*/false, buffer_id);
     if (!transfer.ok()) return transfer.status();
     // Not cut short by a cancel: an abandoned transfer would close the
     // connection (and, without peer failure handling, could not stop the

@@ -50,6 +50,16 @@ std::vector<std::string> Keys(
 
 absl::Duration Millis(uint32_t ms) { return absl::Milliseconds(ms); }
 
+// The parts of a read's answer that do not depend on the blocks' bytes:
+// the missing keys and the namespace's layout and policy.
+void DescribeRead(const store::ReadResult& r, v1::BeginReadResponse* response) {
+  for (uint32_t m : r.missing) response->add_missing(m);
+  proto::PolicyToProto(r.ns.config.policy, response->mutable_codec_policy());
+  response->mutable_codec_policy()->set_residual_tokens(
+      r.ns.config.residual_tokens);
+  proto::ShapeToProto(r.ns.config.shape, response->mutable_layout());
+}
+
 }  // namespace
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
@@ -297,14 +307,10 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
       Millis(request->lease_ttl_ms()), request->pin_lease_id(),
       /*keep_lease=*/true, request->allow_missing(), /*in_place=*/true);
   if (!r.ok()) return r.status();
-  for (uint32_t m : r->missing) response->add_missing(m);
+  DescribeRead(*r, response);
   if (r->blocks.empty()) {
     // Nothing to move (every key missing): no data-plane session.
     store_->EndLease(r->lease_id).IgnoreError();
-    proto::PolicyToProto(r->ns.config.policy, response->mutable_codec_policy());
-    response->mutable_codec_policy()->set_residual_tokens(
-        r->ns.config.residual_tokens);
-    proto::ShapeToProto(r->ns.config.shape, response->mutable_layout());
     return absl::OkStatus();
   }
   // Blocks read in place are put from the pinned arena pages: only copies
@@ -323,10 +329,6 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
     out->set_length(block.size());
     for (uint64_t end : ends[i]) out->add_layer_end_offsets(end);
   }
-  proto::PolicyToProto(r->ns.config.policy, response->mutable_codec_policy());
-  response->mutable_codec_policy()->set_residual_tokens(
-      r->ns.config.residual_tokens);
-  proto::ShapeToProto(r->ns.config.shape, response->mutable_layout());
   const uint64_t lease_id = r->lease_id;
   response->set_read_id(lease_id);
   absl::StatusOr<ucx::Token> token = data_plane_->OpenRead(
@@ -359,7 +361,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
         Millis(request->lease_ttl_ms()), request->pin_lease_id(),
         /*keep_lease=*/false, request->allow_missing());
     if (!r.ok()) return r.status();
-    for (uint32_t m : r->missing) response->add_missing(m);
+    DescribeRead(*r, response);
     uint64_t bytes = 0;
     for (store::ReadBlock& block : r->blocks) {
       v1::BlockData* out = response->add_blocks();
@@ -370,10 +372,6 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
       bytes += block.data.size();
       out->set_data(std::move(block.data));
     }
-    proto::PolicyToProto(r->ns.config.policy, response->mutable_codec_policy());
-    response->mutable_codec_policy()->set_residual_tokens(
-        r->ns.config.residual_tokens);
-    proto::ShapeToProto(r->ns.config.shape, response->mutable_layout());
     response->set_read_id(r->lease_id);
     metrics_->RecordTransfer("out", "grpc", bytes);
     return absl::OkStatus();

@@ -47,8 +47,7 @@ class HostArena final : public Arena {
     std::memcpy(dst, base_ + offset, n);
     return absl::OkStatus();
   }
-  const uint8_t* host_base() const override { return base_; }
-  uint8_t* mutable_host_base() override { return base_; }
+  uint8_t* host_base() const override { return base_; }
 
  private:
   uint8_t* base_;

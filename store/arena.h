@@ -48,10 +48,9 @@ class Arena {
   virtual absl::Status Write(uint64_t offset, const void* src, size_t n) = 0;
   virtual absl::Status Read(uint64_t offset, void* dst, size_t n) const = 0;
   // The region's first byte when this process can address it (host
-  // memory), else nullptr. Lets readers use stored bytes in place.
-  virtual const uint8_t* host_base() const { return nullptr; }
-  // The same, writable: for writers that fill pages they own in place.
-  virtual uint8_t* mutable_host_base() { return nullptr; }
+  // memory), else nullptr: readers use stored bytes in place, writers fill
+  // pages they own in place.
+  virtual uint8_t* host_base() const { return nullptr; }
 };
 
 // Creates the arena named by spec, or explains why it cannot.

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -62,6 +63,19 @@ class PagePool {
   absl::Status Scatter(const PageList& pages,
                        absl::Span<const uint8_t> bytes) const;
   absl::Status Gather(const PageList& pages, absl::Span<uint8_t> bytes) const;
+
+  // The arena offset of the first `bytes` bytes of the list when they lie
+  // in one run of consecutive pages, else nullopt.
+  std::optional<uint64_t> SingleRunOffset(const PageList& pages,
+                                          size_t bytes) const {
+    std::optional<uint64_t> first;
+    size_t runs = 0;
+    ForEachRun(pages, bytes, [&](uint64_t offset, size_t, size_t) {
+      if (runs++ == 0) first = offset;
+      return absl::OkStatus();
+    }).IgnoreError();
+    return runs == 1 ? first : std::nullopt;
+  }
 
   // Calls fn(arena offset, offset in the bytes, length) for each run of
   // consecutive pages covering the first `bytes` bytes of the list, in

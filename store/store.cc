@@ -902,17 +902,11 @@ absl::Status Store::EncodeToPages(const Namespace& ns, absl::string_view key,
   // On a host arena, a block whose pages are one run is encoded straight
   // into them; otherwise into scratch, then scattered over the runs.
   absl::Span<uint8_t> out;
-  if (uint8_t* base = arena_->mutable_host_base(); base != nullptr) {
-    int runs = 0;
-    uint64_t first_offset = 0;
-    pool_
-        .ForEachRun(pages, payload_bytes,
-                    [&](uint64_t offset, size_t, size_t) {
-                      if (runs++ == 0) first_offset = offset;
-                      return absl::OkStatus();
-                    })
-        .IgnoreError();
-    if (runs == 1) out = absl::MakeSpan(base + first_offset, payload_bytes);
+  if (uint8_t* base = arena_->host_base(); base != nullptr) {
+    if (std::optional<uint64_t> offset =
+            pool_.SingleRunOffset(pages, payload_bytes)) {
+      out = absl::MakeSpan(base + *offset, payload_bytes);
+    }
   }
   if (out.empty()) {
     scratch->resize(payload_bytes);
@@ -1046,6 +1040,20 @@ void Store::QueueWindowExit(const Namespace& ns, Entry* newest) {
   }
 }
 
+void Store::DropCorrupt(Entry* entry) {
+  ++data_loss_events_;
+  Entry* parent = nullptr;
+  {
+    Shard& shard = shards_[entry->shard];
+    MutexLock lock(&shard.mu);
+    if (!entry->is(kRemoved)) {
+      parent = RemoveEntry(shard, entry);
+      ++evictions_data_loss_;
+    }
+  }
+  UnlinkParent(parent);
+}
+
 bool Store::Reencode(const ReencodeJob& job) {
   Namespace* ns = NamespaceById(job.ns_id);
   KeyRef ref = MakeKeyRef(job.ns_id, job.key);
@@ -1072,17 +1080,9 @@ bool Store::Reencode(const ReencodeJob& job) {
                          ns->info.fingerprint, job.key, fp16);
   }
   if (!status.ok()) {
-    Entry* parent = nullptr;
-    {
-      MutexLock lock(&shard.mu);
-      ++data_loss_events_;
-      if (!entry->is(kRemoved)) {
-        parent = RemoveEntry(shard, entry);
-        ++evictions_data_loss_;
-      }
-      Unpin(shard, entry);
-    }
-    UnlinkParent(parent);
+    DropCorrupt(entry);
+    MutexLock lock(&shard.mu);
+    Unpin(shard, entry);
     return false;
   }
   std::vector<uint8_t> encoded(ns->info.encoded_block_bytes);
@@ -1185,22 +1185,6 @@ absl::StatusOr<ReadResult> Store::BeginRead(
   }
   if (pin_lease_id != 0) ReleaseReadLease(pin_lease_id);
 
-  // Drops a block that failed verification (it stays pinned by this read;
-  // its pages are freed at the last unpin).
-  auto drop = [this](Entry* bad) {
-    ++data_loss_events_;
-    Entry* parent = nullptr;
-    {
-      Shard& shard = shards_[bad->shard];
-      MutexLock lock(&shard.mu);
-      if (!bad->is(kRemoved)) {
-        parent = RemoveEntry(shard, bad);
-        ++evictions_data_loss_;
-      }
-    }
-    UnlinkParent(parent);
-  };
-
   result.ns = ns->info;
   // Pinned pages are immutable and never reused, so they are read unlocked.
   const kernels::BlockShape& shape = ns->info.config.shape;
@@ -1259,7 +1243,7 @@ absl::StatusOr<ReadResult> Store::BeginRead(
                              payload);
     }
     if (!verified.ok()) {
-      drop(entry);
+      DropCorrupt(entry);
       if (!allow_missing) {
         status = absl::DataLossError(absl::StrCat("block ", positions[j], ": ",
                                                   verified.message(),

@@ -342,6 +342,10 @@ class Store {
   // Drops one cached child from `parent` (a removed parent has already
   // dropped its own link, so nothing cascades). Takes its shard's mutex.
   void UnlinkParent(Entry* parent);
+  // Counts a block that failed verification as data loss and takes it out
+  // of the index; a caller's pin stays (its pages are freed at the last
+  // unpin). Takes the shard mutex.
+  void DropCorrupt(Entry* entry);
   void UnpinAll(const std::vector<Entry*>& entries);
   // Evicts the least recently used evictable block; false when none.
   bool EvictOne(std::atomic<uint64_t>* counter);

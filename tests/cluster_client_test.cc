@@ -265,6 +265,33 @@ class ClusterTest : public ::testing::Test {
   }
 
   bool ucx_ = false;  // nodes run the UCX data plane
+  // Registers `spec`, stores Data(key) for every key as one chain, and
+  // reads it back as fp16 once KIVI's background re-encodes have settled (so
+  // that a later read sees the same encodings).
+  absl::StatusOr<ClusterGetResult> StoreAndReadBack(
+      ClusterClient* cc, const NamespaceSpec& spec,
+      const std::vector<std::string>& keys) {
+    if (absl::Status s = cc->RegisterNamespace(spec).status(); !s.ok()) {
+      return s;
+    }
+    std::vector<std::vector<uint16_t>> data;
+    for (const std::string& k : keys) data.push_back(Data(k, spec.shape));
+    std::vector<BlockWrite> writes;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      writes.push_back({keys[i], "", data[i]});
+    }
+    auto put = cc->Put(spec.name, writes);
+    if (!put.ok()) return put.status();
+    if (put->stored != keys.size()) {
+      return absl::InternalError(
+          absl::StrCat("stored ", put->stored, " of ", keys.size(), " blocks"));
+    }
+    if (!AwaitReencodes()) {
+      return absl::DeadlineExceededError("re-encodes did not settle");
+    }
+    return cc->Get(spec.name, keys, ReadFormat::kFp16);
+  }
+
   // Waits (bounded) until no node has a KIVI re-encode queued or running.
   bool AwaitReencodes() {
     for (auto& node : nodes_) {
@@ -802,23 +829,11 @@ TEST_F(ClusterTest, LayerwiseGetDeliversLayersInOrder) {
   const std::vector<std::string> keys = Chain(20, 6);
   for (const NamespaceSpec& spec : specs) {
     SCOPED_TRACE(spec.name);
-    ASSERT_TRUE(cc->RegisterNamespace(spec).ok());
-    std::vector<std::vector<uint16_t>> data;
-    for (const std::string& k : keys) data.push_back(Data(k, shape));
-    std::vector<BlockWrite> writes;
-    for (size_t i = 0; i < keys.size(); ++i) {
-      writes.push_back({keys[i], "", data[i]});
-    }
-    auto put = cc->Put(spec.name, writes);
-    ASSERT_TRUE(put.ok()) << put.status();
-    ASSERT_EQ(put->stored, keys.size());
-    // KIVI's residual window re-encodes blocks in the background: let that
-    // settle first, so that the reference and the stream read the same
-    // encodings.
-    ASSERT_TRUE(AwaitReencodes());
-    auto node_fp16 = cc->Get(spec.name, keys, ReadFormat::kFp16);
+    auto node_fp16 = StoreAndReadBack(cc.get(), spec, keys);
     ASSERT_TRUE(node_fp16.ok());
     ASSERT_EQ(node_fp16->prefix_blocks, keys.size());
+    std::vector<std::vector<uint16_t>> data;  // what was stored
+    for (const std::string& k : keys) data.push_back(Data(k, shape));
 
     for (ReadFormat format : {ReadFormat::kFp16, ReadFormat::kRaw}) {
       std::vector<uint32_t> order;
@@ -1023,21 +1038,7 @@ TEST_F(ClusterUcxTest, LayerwiseGetTravelsLayerByLayerOverUcx) {
     NamespaceSpec spec =
         Spec(absl::StrCat("lw-ucx-", kernels::CodecName(codec)), codec, shape);
     SCOPED_TRACE(spec.name);
-    ASSERT_TRUE(cc->RegisterNamespace(spec).ok());
-    std::vector<std::vector<uint16_t>> data;
-    for (const std::string& k : keys) data.push_back(Data(k, shape));
-    std::vector<BlockWrite> writes;
-    for (size_t i = 0; i < keys.size(); ++i) {
-      writes.push_back({keys[i], "", data[i]});
-    }
-    auto put = cc->Put(spec.name, writes);
-    ASSERT_TRUE(put.ok()) << put.status();
-    ASSERT_EQ(put->stored, keys.size());
-    // KIVI's residual window re-encodes blocks in the background: let that
-    // settle first, so that the reference and the stream read the same
-    // encodings.
-    ASSERT_TRUE(AwaitReencodes());
-    auto node_fp16 = cc->Get(spec.name, keys, ReadFormat::kFp16);
+    auto node_fp16 = StoreAndReadBack(cc.get(), spec, keys);
     ASSERT_TRUE(node_fp16.ok()) << node_fp16.status();
     ASSERT_EQ(node_fp16->prefix_blocks, keys.size());
     const size_t section = size_t{32} * 4 * 64;

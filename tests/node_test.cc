@@ -585,7 +585,8 @@ TEST_F(NodeTest, MetricsExposeCapacityRequestsAndCodecs) {
            "kvcache_pool_used_ratio",
            "kvcache_blocks{codec=\"fp8_e4m3\"} 2",
            "kvcache_stored_tokens{codec=\"fp8_e4m3\"} 64",
-           "kvcache_token_capacity_remaining{codec=\"kivi2\",kv_namespace=\"ns\"}",
+           "kvcache_token_capacity_remaining{codec=\"kivi2\",kv_namespace="
+           "\"ns\"}",
            "kvcache_evictions_total{reason=\"capacity\"} 0",
            "kvcache_transfer_bytes_total{direction=\"in\",transport=\"grpc\"}",
            "kvcache_quantize_duration_seconds_count{codec=\"fp8_e4m3\"} 2",
