@@ -6,9 +6,11 @@
 // proven equal to IEEE division for every input the codecs give it (see
 // DivideRn); fp32 -> fp16 and fp32 -> fp8 rounding to nearest even with
 // integer operations, F16C or exact fp32 additions (see F32ToHalf and
-// Fp8FromF32).
+// Fp8FromF32). On AVX-512, fp8 encoding reads most codes from per-head
+// tables built from exact quotients (see "FP8 by table").
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -274,23 +276,36 @@ void CopyFp16Back(const Section& s, const uint8_t* in, uint16_t* out) {
 
 // ---- prefetch ------------------------------------------------------------
 
-// Prefetches part `part` of `parts` equal parts of the next section's input
-// (Section::next_input). Encoders call it once per part as they go, spreading
-// the next section's cache misses over this section's arithmetic.
-inline void PrefetchNextPart(const Section& s, size_t part, size_t parts) {
-  if (s.next_input == nullptr || parts == 0) return;
-  const char* base = reinterpret_cast<const char*>(s.next_input);
-  const size_t bytes = s.next_elements * 2;
-  const size_t end = bytes * (part + 1) / parts;
-  for (size_t b = bytes * part / parts / 64 * 64; b < end; b += 64) {
-    // GCC deletes a loop of __builtin_prefetch alone as having no effect.
+// Spreads the next section's cache misses (Section::next_input) over this
+// section's arithmetic: an encoder calls Step() once per row of its `rows`
+// and each call prefetches the next 1/rows of the next section's input.
+class NextSectionPrefetcher {
+ public:
+  NextSectionPrefetcher(const Section& s, size_t rows)
+      : base_(reinterpret_cast<const char*>(s.next_input)),
+        bytes_(s.next_input == nullptr ? 0 : s.next_elements * 2),
+        step_(rows == 0 ? bytes_ : (bytes_ + rows - 1) / rows) {}
+
+  void Step() {
+    const size_t end = std::min(bytes_, done_ + step_);
+    for (; cursor_ < end; cursor_ += 64) {
+      // GCC deletes a loop of __builtin_prefetch alone as having no effect.
 #if defined(__x86_64__)
-    asm volatile("prefetcht0 (%0)" ::"r"(base + b));
+      asm volatile("prefetcht0 (%0)" ::"r"(base_ + cursor_));
 #else
-    __builtin_prefetch(base + b, 0, 3);
+      __builtin_prefetch(base_ + cursor_, 0, 3);
 #endif
+    }
+    done_ = end;
   }
-}
+
+ private:
+  const char* base_;
+  size_t bytes_;
+  size_t step_;
+  size_t done_ = 0;
+  size_t cursor_ = 0;  // next line to prefetch (a multiple of 64)
+};
 
 // ---- FP8 -----------------------------------------------------------------
 
@@ -319,43 +334,286 @@ HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Fp8Encode(DF df, hn::Vec<DF> q,
 // the head holds an infinity or a NaN).
 void SectionHeadAbsMax(const Section& s, const uint16_t* in,
                        uint16_t* head_max) {
-  const size_t T = s.tokens, H = s.heads, D = s.dim, HD = H * D;
+  const size_t T = s.tokens, H = s.heads, D = s.dim;
   const hn::ScalableTag<uint16_t> d16;
   const size_t N16 = hn::Lanes(d16);
+  const size_t full = D / N16 * N16;
   const auto abs_mask = hn::Set(d16, 0x7FFFu);
-  // Per head and run of N16 channels, a register accumulates over the
-  // tokens: no partial maxima go through memory.
+  // The section is read in memory order, which hardware prefetchers follow;
+  // per head, a vector of running maxima.
+  static thread_local std::vector<uint16_t> running;
+  if (running.size() < H * N16) running.resize(H * N16);
+  std::fill(running.begin(), running.begin() + H * N16, uint16_t{0});
+  std::fill(head_max, head_max + H, uint16_t{0});
+  for (size_t t = 0; t < T; ++t) {
+    for (size_t h = 0; h < H; ++h) {
+      const uint16_t* row = in + (t * H + h) * D;
+      uint16_t* acc = running.data() + h * N16;
+      auto m = hn::LoadU(d16, acc);
+      for (size_t j = 0; j < full; j += N16) {
+        m = hn::Max(m, hn::And(hn::LoadU(d16, row + j), abs_mask));
+      }
+      hn::StoreU(m, d16, acc);
+      for (size_t j = full; j < D; ++j) {
+        head_max[h] = std::max<uint16_t>(head_max[h], row[j] & 0x7FFFu);
+      }
+    }
+  }
   for (size_t h = 0; h < H; ++h) {
-    uint16_t m = 0;
-    size_t j = 0;
-    for (; j + N16 <= D; j += N16) {
-      const uint16_t* col = in + h * D + j;
-      auto acc0 = hn::Zero(d16);
-      auto acc1 = hn::Zero(d16);
-      size_t t = 0;
-      for (; t + 2 <= T; t += 2) {
-        acc0 = hn::Max(acc0, hn::And(hn::LoadU(d16, col + t * HD), abs_mask));
-        acc1 = hn::Max(acc1,
-                       hn::And(hn::LoadU(d16, col + (t + 1) * HD), abs_mask));
-      }
-      if (t < T) {
-        acc0 = hn::Max(acc0, hn::And(hn::LoadU(d16, col + t * HD), abs_mask));
-      }
-      m = std::max<uint16_t>(
-          m, hn::GetLane(hn::MaxOfLanes(d16, hn::Max(acc0, acc1))));
-    }
-    for (; j < D; ++j) {
-      for (size_t t = 0; t < T; ++t) {
-        m = std::max<uint16_t>(m, in[t * HD + h * D + j] & 0x7FFFu);
-      }
-    }
-    head_max[h] = m;
+    head_max[h] = std::max<uint16_t>(
+        head_max[h], hn::GetLane(hn::MaxOfLanes(
+                         d16, hn::LoadU(d16, running.data() + h * N16))));
   }
 }
 
+// Exact codes of n values of one head: DivideRn where the scale allows it,
+// true division otherwise, scalar for the last n % lanes.
+template <Codec kCodec>
+HWY_INLINE void EncodeFp8Exact(const uint16_t* in, size_t n, float scale,
+                               uint8_t* dst) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const hn::Rebind<uint8_t, decltype(df)> d8;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const size_t N = hn::Lanes(df);
+  const auto vsc = hn::Set(df, scale);
+  const auto vrcp = hn::Set(df, 1.0f / scale);
+  size_t j = 0;
+  if (scale >= kMinFmaDivisor && scale <= kMaxFmaDivisor) {
+    for (; j + N <= n; j += N) {
+      const auto x = HalfToF32(df, hn::LoadU(d16, in + j));
+      const auto c = Fp8Encode<kCodec>(df, DivideRn(df, x, vsc, vrcp), x);
+      hn::StoreU(hn::TruncateTo(d8, hn::BitCast(du, c)), d8, dst + j);
+    }
+  } else {
+    for (; j + N <= n; j += N) {
+      const auto x = HalfToF32(df, hn::LoadU(d16, in + j));
+      const auto c = Fp8Encode<kCodec>(df, hn::Div(x, vsc), x);
+      hn::StoreU(hn::TruncateTo(d8, hn::BitCast(du, c)), d8, dst + j);
+    }
+  }
+  for (; j < n; ++j) dst[j] = Fp8Scalar<kCodec>(HalfToFloat(in[j]) / scale);
+}
+
+// ---- FP8 by table (AVX-512BW) ----------------------------------------------
+//
+// For a head whose scale s is a normal fp32 number, the code of a normal fp16
+// x = 2^(e-15) * (1 + m/1024) (e = exponent field, m = mantissa field) whose
+// quotient lands in fp8's normal range is
+//     code(x) = K*e + G(m),   K = 2^kManBits,
+// because RN(x / s) = 2^(e - 17 - e_s) * RN(4(1 + m/1024) / S) exactly
+// (s = 2^e_s * S, S in [1, 2); power-of-two scaling commutes with rounding
+// while everything is a normal number), and on fp8's normal grid scaling by
+// 2^k adds K*k to the code, a mantissa carry included. Saturation is the
+// same function clamped to the largest finite code. G is non-decreasing in m
+// and rises by at most one across the 32 values of a bucket b = m >> 5
+// (32/1024 of relative change against at least 1/16 between fp8 rounding
+// boundaries), at m = threshold[b]. With offset[b] = 512 - threshold[b]
+// (512 - 32b where the bucket does not rise; 16-bit wrap-around arithmetic),
+// m + offset[b] stays in [481, 543] and crosses 512 exactly at the
+// threshold, so
+//     code(x) = ((|x| + offset[b]) >> (10 - kManBits)) + base[b]
+// with no carry out of the mantissa field: two 32-entry tables of 16-bit
+// lanes, one vpermw each. The tables come from 64 reference quotients (true
+// IEEE divisions) and a 5-step bisection per bucket; they depend on the
+// scale's significand alone up to a constant, and are cached per thread.
+//
+// Lanes the identity does not cover: x = 0 gets code 0 (with its sign)
+// directly; 0 < |x| < safe (fp16 subnormals, and every binade where
+// K*e + G(0) < K, i.e. quotients that may round on fp8's subnormal grid) make
+// their row go through the exact path. A code >= K means a rounded quotient
+// >= the smallest normal, so the true quotient is at least that minus a
+// quarter of the subnormal step and rounds the same on both grids.
+// kernels/codec_simd_test.cc checks every finite fp16 value against the
+// reference over a spread of scales.
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+#define KVCACHE_FP8_TABLE 1
+
+struct Fp8HeadTable {
+  alignas(64) uint16_t offset[32];
+  alignas(64) uint16_t base[32];
+  uint16_t safe = 0;  // smallest |x| bits (>= 0x400) the identity covers
+};
+
+// Codes (7 bits, positive) of RN(4(1 + m/1024) / sm) for 32 values of m.
+template <Codec kCodec, class DU>
+HWY_INLINE hn::Vec<DU> ReferenceQuotientCodes(
+    DU du, hn::Vec<DU> m, hn::Vec<hn::RebindToFloat<DU>> sm) {
+  const hn::RebindToFloat<DU> df;
+  const auto x =
+      hn::BitCast(df, hn::Or(hn::Set(du, 0x40800000u), hn::ShiftLeft<13>(m)));
+  return hn::BitCast(du, Fp8Encode<kCodec>(df, hn::Div(x, sm), x));
+}
+
+// The tables for a scale with significand sm in [1, 2) and exponent 0; a
+// scale 2^e_s * sm has the same offsets and base - K*(17 + e_s) instead of
+// base - 17K. `usable` is false (never seen; checked all the same) when a
+// bucket's codes rise by more than one.
+struct Fp8SignificandTable {
+  alignas(64) uint16_t offset[32];
+  alignas(64) uint16_t base[32];
+  uint32_t key = 0;  // significand bits | 1 << 31 once built
+  bool usable = false;
+};
+
+template <Codec kCodec>
+void BuildFp8SignificandTable(uint32_t significand,
+                              Fp8SignificandTable& table) {
+  constexpr int kManBits = kCodec == Codec::kFp8E4M3 ? 3 : 2;
+  constexpr uint32_t kShift = 10 - kManBits;
+  constexpr uint32_t K = 1u << kManBits;
+  const hn::ScalableTag<uint32_t> du;  // 16 lanes on AVX-512
+  const hn::RebindToFloat<decltype(du)> df;
+  const hn::Rebind<uint16_t, decltype(du)> d16;
+  static_assert(HWY_MAX_BYTES == 64, "two vectors of 16 buckets");
+  const auto sm = hn::Set(df, FloatFromBits(significand | 0x3F800000u));
+  table.key = significand | 0x80000000u;
+  table.usable = true;
+  for (uint32_t half = 0; half < 2; ++half) {
+    const auto first =
+        hn::ShiftLeft<5>(hn::Add(hn::Iota(du, 0), hn::Set(du, 16 * half)));
+    auto lo = first;
+    auto hi = hn::Add(first, hn::Set(du, 31));
+    const auto c_lo = ReferenceQuotientCodes<kCodec>(du, lo, sm);
+    const auto c_hi = ReferenceQuotientCodes<kCodec>(du, hi, sm);
+    if (!hn::AllFalse(du, hn::Gt(c_hi, hn::Add(c_lo, hn::Set(du, 1))))) {
+      table.usable = false;
+      return;
+    }
+    const auto rises = hn::Lt(c_lo, c_hi);
+    // Invariant: code(lo) == c_lo, and where the bucket rises code(hi) > c_lo.
+    for (int step = 0; step < 5; ++step) {
+      const auto mid = hn::ShiftRight<1>(hn::Add(lo, hi));
+      const auto up = hn::Gt(ReferenceQuotientCodes<kCodec>(du, mid, sm), c_lo);
+      hi = hn::IfThenElse(up, mid, hi);
+      lo = hn::IfThenElse(up, lo, mid);
+    }
+    // (m + offset) >> kShift is 511 >> kShift below the threshold and
+    // 512 >> kShift from it on (and across a bucket that does not rise).
+    const auto offset =
+        hn::Sub(hn::Set(du, 512), hn::IfThenElse(rises, hi, first));
+    const auto below = hn::IfThenElse(rises, hn::Set(du, 511u >> kShift),
+                                      hn::Set(du, 512u >> kShift));
+    // 16-bit wrap-around arithmetic; codes are in [0, 127].
+    const auto base = hn::Sub(hn::Sub(c_lo, hn::Set(du, 17 * K)), below);
+    hn::Store(hn::TruncateTo(d16, offset), d16, table.offset + 16 * half);
+    hn::Store(hn::TruncateTo(d16, base), d16, table.base + 16 * half);
+  }
+}
+
+// A per-thread cache of significand tables: with dynamic scales
+// (amax / fp8 max, amax an fp16 value) there are at most 1024 significands
+// per codec, and static scales repeat block after block.
+template <Codec kCodec>
+const Fp8SignificandTable& CachedFp8SignificandTable(uint32_t significand) {
+  constexpr size_t kSlots = 2048;
+  static thread_local std::unique_ptr<Fp8SignificandTable[]> cache;
+  if (cache == nullptr) cache = std::make_unique<Fp8SignificandTable[]>(kSlots);
+  Fp8SignificandTable& slot =
+      cache[(significand * 0x9E3779B1u) >> 21 & (kSlots - 1)];
+  if (slot.key != (significand | 0x80000000u)) {
+    BuildFp8SignificandTable<kCodec>(significand, slot);
+  }
+  return slot;
+}
+
+// False when the scale is not a normal number, when no fp16 binade maps into
+// fp8's normal range, or when the significand table is not usable: the head
+// then takes the exact path.
+template <Codec kCodec>
+bool BuildFp8HeadTable(float scale, Fp8HeadTable& table) {
+  constexpr int kManBits = kCodec == Codec::kFp8E4M3 ? 3 : 2;
+  constexpr int32_t K = 1 << kManBits;
+  const uint32_t bits = FloatBits(scale);
+  const uint32_t exp_field = bits >> 23;
+  if (exp_field == 0 || exp_field >= 255) return false;
+  const int32_t e_s = static_cast<int32_t>(exp_field) - 127;
+  const Fp8SignificandTable& sig =
+      CachedFp8SignificandTable<kCodec>(bits & 0x7FFFFFu);
+  if (!sig.usable) return false;
+  const hn::ScalableTag<uint16_t> d16;
+  const auto adjust = hn::Set(d16, static_cast<uint16_t>(K * e_s));
+  for (size_t i = 0; i < 32; i += hn::Lanes(d16)) {
+    hn::Store(hn::Load(d16, sig.offset + i), d16, table.offset + i);
+    hn::Store(hn::Sub(hn::Load(d16, sig.base + i), adjust), d16,
+              table.base + i);
+  }
+  // Smallest exponent field e >= 1 with K*e + G(0) >= K, G(0) being the
+  // identity's code for e = 0, m = 0.
+  const int32_t g0 = static_cast<int16_t>(table.base[0]) +
+                     (table.offset[0] >> (10 - kManBits));
+  int32_t e_min = 1;
+  while (e_min <= 30 && K * e_min + g0 < K) ++e_min;
+  if (e_min > 30) return false;
+  table.safe = static_cast<uint16_t>(e_min << 10);
+  return true;
+}
+
+// Codes of a head's row by the table. False, with dst partly written, when
+// the row holds a value the table does not cover (0 < |x| < safe): the
+// caller encodes that row on the exact path.
+template <Codec kCodec>
+HWY_INLINE bool EncodeFp8RowByTable(const uint16_t* row, size_t n,
+                                    const Fp8HeadTable& table, uint8_t* dst) {
+  constexpr int kShift = kCodec == Codec::kFp8E4M3 ? 7 : 8;
+  const __m512i max_code =
+      _mm512_set1_epi16(kCodec == Codec::kFp8E4M3 ? 0x7E : 0x7B);
+  const __m512i offset_table = _mm512_load_si512(table.offset);
+  const __m512i base_table = _mm512_load_si512(table.base);
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+  const __m512i sign_bit = _mm512_set1_epi16(0x80);
+  const __m512i minus_one = _mm512_set1_epi16(-1);
+  const __m512i pack_order = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0);
+  // Unsigned minimum of |x| - 1 over the row (0 wraps to 0xFFFF).
+  __m512i least = minus_one;
+  const auto codes = [&](__m512i x) {
+    const __m512i a = _mm512_and_si512(x, magnitude);
+    const __m512i bucket = _mm512_srli_epi16(a, 5);  // vpermw reads 5 bits
+    const __m512i offset = _mm512_permutexvar_epi16(bucket, offset_table);
+    const __m512i base = _mm512_permutexvar_epi16(bucket, base_table);
+    __m512i code = _mm512_add_epi16(
+        _mm512_srli_epi16(_mm512_add_epi16(a, offset), kShift), base);
+    code = _mm512_maskz_min_epu16(_mm512_test_epi16_mask(a, a), code, max_code);
+    least = _mm512_min_epu16(least, _mm512_add_epi16(a, minus_one));
+    // code | (x >> 8 & 0x80): the sign.
+    return _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(x, 8), sign_bit,
+                                     0xF8);
+  };
+  size_t j = 0;
+  for (; j + 64 <= n; j += 64) {
+    const __m512i c0 = codes(_mm512_loadu_si512(row + j));
+    const __m512i c1 = codes(_mm512_loadu_si512(row + j + 32));
+    _mm512_storeu_si512(dst + j, _mm512_permutexvar_epi64(
+                                     pack_order, _mm512_packus_epi16(c0, c1)));
+  }
+  for (; j + 32 <= n; j += 32) {
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(dst + j),
+        _mm512_cvtepi16_epi8(codes(_mm512_loadu_si512(row + j))));
+  }
+  const __m512i safe_minus_one = _mm512_set1_epi16(table.safe - 1);
+  if (_mm512_cmplt_epu16_mask(least, safe_minus_one) != 0) return false;
+  for (; j < n; ++j) {
+    const uint16_t a = row[j] & 0x7FFFu;
+    if (a != 0 && a < table.safe) return false;
+    const uint32_t b = (a >> 5) & 31u;
+    // 16-bit wrap-around, as in the vector lanes.
+    const uint16_t shifted = static_cast<uint16_t>(a + table.offset[b]);
+    uint32_t code = static_cast<uint16_t>((shifted >> kShift) + table.base[b]);
+    code = a == 0 ? 0
+                  : std::min<uint32_t>(code,
+                                       kCodec == Codec::kFp8E4M3 ? 0x7E : 0x7B);
+    dst[j] = static_cast<uint8_t>(code | ((row[j] >> 8) & 0x80u));
+  }
+  return true;
+}
+#else
+#define KVCACHE_FP8_TABLE 0
+#endif  // AVX-512BW
+
 template <Codec kCodec>
 void EncodeFp8(const Section& s, const uint16_t* in, uint8_t* out) {
-  const size_t T = s.tokens, H = s.heads, D = s.dim, HD = H * D;
+  const size_t T = s.tokens, H = s.heads, D = s.dim;
   Scratch& scratch = GetScratch();
   float* scale = Sized(scratch.f0, H);
   uint8_t* codes = out;
@@ -375,36 +633,31 @@ void EncodeFp8(const Section& s, const uint16_t* in, uint8_t* out) {
   } else {
     for (size_t h = 0; h < H; ++h) scale[h] = s.static_scales[h];
   }
-
-  const hn::ScalableTag<float> df;
-  const hn::Rebind<uint16_t, decltype(df)> d16;
-  const hn::Rebind<uint8_t, decltype(df)> d8;
-  const hn::RebindToUnsigned<decltype(df)> du;
-  const size_t N = hn::Lanes(df);
+#if KVCACHE_FP8_TABLE
+  // The tables cost about 14 vectors of exact quotients per head; below a
+  // few hundred values per head the exact path is as fast.
+  static thread_local std::vector<Fp8HeadTable> tables;
+  static thread_local std::vector<uint8_t> by_table;
+  if (tables.size() < H) tables.resize(H);
+  if (by_table.size() < H) by_table.resize(H);
+  const bool worth_tables = T * D >= 512;
+  for (size_t h = 0; h < H; ++h) {
+    by_table[h] =
+        worth_tables && BuildFp8HeadTable<kCodec>(scale[h], tables[h]);
+  }
+#endif
+  NextSectionPrefetcher prefetch(s, T * H);
   for (size_t t = 0; t < T; ++t) {
     for (size_t h = 0; h < H; ++h) {
-      PrefetchNextPart(s, t * H + h, T * H);
+      prefetch.Step();
       const size_t base = (t * H + h) * D;
-      const uint16_t* row = in + base;
-      uint8_t* dst = codes + base;
-      const float sc = scale[h];
-      const auto vsc = hn::Set(df, sc);
-      const auto vrcp = hn::Set(df, 1.0f / sc);
-      size_t j = 0;
-      if (sc >= kMinFmaDivisor && sc <= kMaxFmaDivisor) {
-        for (; j + N <= D; j += N) {
-          const auto x = HalfToF32(df, hn::LoadU(d16, row + j));
-          const auto c = Fp8Encode<kCodec>(df, DivideRn(df, x, vsc, vrcp), x);
-          hn::StoreU(hn::TruncateTo(d8, hn::BitCast(du, c)), d8, dst + j);
-        }
-      } else {
-        for (; j + N <= D; j += N) {
-          const auto x = HalfToF32(df, hn::LoadU(d16, row + j));
-          const auto c = Fp8Encode<kCodec>(df, hn::Div(x, vsc), x);
-          hn::StoreU(hn::TruncateTo(d8, hn::BitCast(du, c)), d8, dst + j);
-        }
+#if KVCACHE_FP8_TABLE
+      if (by_table[h] &&
+          EncodeFp8RowByTable<kCodec>(in + base, D, tables[h], codes + base)) {
+        continue;
       }
-      for (; j < D; ++j) dst[j] = Fp8Scalar<kCodec>(HalfToFloat(row[j]) / sc);
+#endif
+      EncodeFp8Exact<kCodec>(in + base, D, scale[h], codes + base);
     }
   }
 }

@@ -187,6 +187,78 @@ TEST_P(SimdTest, LargeRandomBlocks) {
   }
 }
 
+// The fp8 encoder's table path (codec_simd.cc) against the reference on
+// every finite fp16 value, over scales across the fp32 range: powers of two,
+// all-ones significands, the smallest normal and a subnormal (which take the
+// exact path), and random ones. Each head's 496 x 128 values are every finite
+// bit pattern in order from a per-head start, so rows of small values (the
+// exact path) and rows of larger ones (the table) both occur.
+TEST_P(SimdTest, Fp8EveryFiniteHalfOverManyScales) {
+  const BlockShape shape{1, 8, 128, 496};
+  std::vector<uint16_t> finite;
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    if ((b & 0x7C00u) != 0x7C00u) finite.push_back(static_cast<uint16_t>(b));
+  }
+  ASSERT_EQ(finite.size(), size_t{496} * 128);
+  std::vector<uint16_t> in(Fp16BlockBytes(shape) / 2);
+  const size_t per_head = finite.size();
+  for (size_t tensor = 0; tensor < 2; ++tensor) {
+    for (size_t h = 0; h < 8; ++h) {
+      for (size_t i = 0; i < per_head; ++i) {
+        // [T][H][D] within each of the K and V sections.
+        const size_t t = i / 128, d = i % 128;
+        in[tensor * per_head * 8 + (t * 8 + h) * 128 + d] =
+            finite[(i + h * 7919 + tensor * 104729) % per_head];
+      }
+    }
+  }
+  std::vector<float> scales = {1.0f,
+                               0.5f,
+                               2.0f,
+                               3.0f,
+                               1.0f / 448,
+                               65504.0f / 448,
+                               65504.0f / 57344,
+                               1e-3f,
+                               0x1p-126f,
+                               1e-40f,
+                               3e38f,
+                               FloatFromBits(0x3FFFFFFFu),
+                               FloatFromBits(0x3F800001u),
+                               0x1p-24f / 448};
+  for (int e = -40; e <= 40; e += 5) scales.push_back(std::ldexp(1.0f, e));
+  for (int e = -30; e <= 30; e += 10) {
+    scales.push_back(std::ldexp(FloatFromBits(0x3FFFFFFFu), e));
+  }
+  std::mt19937 rng(2026);
+  while (scales.size() % 16 != 0 || scales.size() < 64) {
+    scales.push_back(std::ldexp(1.0f + (rng() >> 9) * 0x1p-23f,
+                                static_cast<int>(rng() % 61) - 30));
+  }
+  for (Codec c : {Codec::kFp8E4M3, Codec::kFp8E5M2}) {
+    for (size_t first = 0; first <= scales.size(); first += 16) {
+      CodecPolicy p;
+      p.codec = c;
+      if (first < scales.size()) {
+        p.scale_mode = ScaleMode::kStaticPerLayerHead;
+        p.static_k_scales.assign(scales.begin() + first,
+                                 scales.begin() + first + 8);
+        p.static_v_scales.assign(scales.begin() + first + 8,
+                                 scales.begin() + first + 16);
+      }  // else dynamic scales
+      ASSERT_TRUE(ValidatePolicy(shape, p).ok());
+      const size_t bytes = EncodedBlockBytes(shape, p);
+      std::vector<uint8_t> ref(bytes), simd(bytes);
+      ASSERT_TRUE(EncodeBlockReference(shape, p, in, absl::MakeSpan(ref)).ok());
+      ASSERT_TRUE(EncodeBlock(shape, p, in, absl::MakeSpan(simd)).ok());
+      for (size_t i = 0; i < bytes; ++i) {
+        ASSERT_EQ(simd[i], ref[i])
+            << CodecName(c) << " byte " << i << " scales from " << first;
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllTargets, SimdTest,
                          ::testing::ValuesIn(SimdTargets()),
                          [](const ::testing::TestParamInfo<int64_t>& info) {
