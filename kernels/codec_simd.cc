@@ -835,11 +835,218 @@ bool KiviFits(const Section& s, size_t N) {
   return run % N == 0 && (run * kBits) % 8 == 0;
 }
 
+// ---- KIVI on AVX-512BW ------------------------------------------------------
+//
+// The same arithmetic as KiviCode (DivideRn, then round to nearest even) on
+// 64 consecutive elements at a time, which are then narrowed to bytes with
+// saturating packs, clamped to 2^b - 1 as bytes (rint(min(q, qmax)) ==
+// min(rint(q), qmax), q >= 0) and packed to b bits with multiply-adds, with
+// no staging buffer. Value groups of 32k channels get their extremes from a
+// butterfly across 16 groups instead of one horizontal reduction per group.
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+#define KVCACHE_KIVI_AVX512 1
+
+// Rounded codes of 64 quotients (four vectors in element order), packed to
+// kBits each at out (64 * kBits / 8 bytes).
+template <uint32_t kBits>
+HWY_INLINE void StoreKiviCodes64(__m512 q0, __m512 q1, __m512 q2, __m512 q3,
+                                 uint8_t* out) {
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i w01 = _mm512_packus_epi32(_mm512_cvt_roundps_epi32(q0, kRne),
+                                          _mm512_cvt_roundps_epi32(q1, kRne));
+  const __m512i w23 = _mm512_packus_epi32(_mm512_cvt_roundps_epi32(q2, kRne),
+                                          _mm512_cvt_roundps_epi32(q3, kRne));
+  // Each 128-bit lane L now holds elements 16k + 4L .. 16k + 4L + 3 in its
+  // dword k; move dword 4L + k to 4k + L for element order.
+  const __m512i order =
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i bytes = _mm512_min_epu8(
+      _mm512_permutexvar_epi32(order, _mm512_packus_epi16(w01, w23)),
+      _mm512_set1_epi8(static_cast<char>((1u << kBits) - 1u)));
+  if constexpr (kBits == 2) {
+    // c0 + 4c1 per 16-bit pair, then (c0 + 4c1) + 16(c2 + 4c3) per dword.
+    const __m512i pairs =
+        _mm512_maddubs_epi16(bytes, _mm512_set1_epi16(0x0401));
+    const __m512i quads =
+        _mm512_madd_epi16(pairs, _mm512_set1_epi32(0x00100001));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     _mm512_cvtepi32_epi8(quads));
+  } else {
+    const __m512i pairs =
+        _mm512_maddubs_epi16(bytes, _mm512_set1_epi16(0x1001));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        _mm512_cvtepi16_epi8(pairs));
+  }
+}
+
+// fp16 bits <-> order-preserving keys (as SortableKey / KeyToHalf).
+HWY_INLINE __m512i HalfToKey512(__m512i h) {
+  return _mm512_xor_si512(
+      h, _mm512_or_si512(_mm512_srai_epi16(h, 15), _mm512_set1_epi16(-32768)));
+}
+HWY_INLINE __m512i KeyToHalf512(__m512i key) {
+  // key ^ 0x8000 where bit 15 is set, key ^ 0xFFFF where it is clear.
+  const __m512i s = _mm512_srai_epi16(key, 15);
+  return _mm512_xor_si512(
+      key, _mm512_or_si512(_mm512_andnot_si512(s, _mm512_set1_epi16(-1)),
+                           _mm512_set1_epi16(-32768)));
+}
+
+template <bool kMax>
+HWY_INLINE __m512i MinOrMax16(__m512i a, __m512i b) {
+  return kMax ? _mm512_max_epu16(a, b) : _mm512_min_epu16(a, b);
+}
+
+// v[g] holds 32 keys of group g (g < 16): returns each group's minimum (or
+// maximum), in group order. Each level halves the lanes per group while
+// keeping vectors full: 512 -> 256 -> 128 -> 64 -> 32 -> 16 bits per group.
+template <bool kMax>
+HWY_INLINE __m256i ReduceSixteenGroups(const __m512i* v) {
+  __m512i w[8], x[4], y[2];
+  for (int p = 0; p < 8; ++p) {  // quarters [g2p, g2p, g2p+1, g2p+1]
+    w[p] = MinOrMax16<kMax>(_mm512_shuffle_i64x2(v[2 * p], v[2 * p + 1], 0x44),
+                            _mm512_shuffle_i64x2(v[2 * p], v[2 * p + 1], 0xEE));
+  }
+  for (int q = 0; q < 4; ++q) {  // quarters [g4q, g4q+1, g4q+2, g4q+3]
+    x[q] = MinOrMax16<kMax>(_mm512_shuffle_i64x2(w[2 * q], w[2 * q + 1], 0x88),
+                            _mm512_shuffle_i64x2(w[2 * q], w[2 * q + 1], 0xDD));
+  }
+  for (int r = 0; r < 2; ++r) {  // lane i: [g8r+i, g8r+4+i], 4 keys each
+    y[r] = MinOrMax16<kMax>(_mm512_unpacklo_epi64(x[2 * r], x[2 * r + 1]),
+                            _mm512_unpackhi_epi64(x[2 * r], x[2 * r + 1]));
+  }
+  // Lane i: dwords [gi, g4+i, g8+i, g12+i], 2 keys each.
+  const __m512 y0 = _mm512_castsi512_ps(y[0]), y1 = _mm512_castsi512_ps(y[1]);
+  __m512i z =
+      MinOrMax16<kMax>(_mm512_castps_si512(_mm512_shuffle_ps(y0, y1, 0x88)),
+                       _mm512_castps_si512(_mm512_shuffle_ps(y0, y1, 0xDD)));
+  z = MinOrMax16<kMax>(z, _mm512_srli_epi32(z, 16));
+  // Dword 4i + k holds group 4k + i.
+  const __m512i order =
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(order, z));
+}
+
+// Extremes (fp16 bits) of `count` groups of G values, G a multiple of 32,
+// count a multiple of 16.
+HWY_INLINE void GroupMinMax512(const uint16_t* in, size_t G, size_t count,
+                               uint16_t* mn, uint16_t* mx) {
+  __m512i lo[16], hi[16];
+  for (size_t k0 = 0; k0 < count; k0 += 16) {
+    for (size_t g = 0; g < 16; ++g) {
+      const uint16_t* src = in + (k0 + g) * G;
+      lo[g] = hi[g] = HalfToKey512(_mm512_loadu_si512(src));
+      for (size_t j = 32; j < G; j += 32) {
+        const __m512i key = HalfToKey512(_mm512_loadu_si512(src + j));
+        lo[g] = _mm512_min_epu16(lo[g], key);
+        hi[g] = _mm512_max_epu16(hi[g], key);
+      }
+    }
+    const __m512i both = _mm512_inserti64x4(
+        _mm512_castsi256_si512(ReduceSixteenGroups<false>(lo)),
+        ReduceSixteenGroups<true>(hi), 1);
+    const __m512i halves = KeyToHalf512(both);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(mn + k0),
+                        _mm512_castsi512_si256(halves));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(mx + k0),
+                        _mm512_extracti64x4_epi64(halves, 1));
+  }
+}
+
+// Quotients (x - zero) / scale of 16 fp16 values.
+HWY_INLINE __m512 KiviQuotient16(const uint16_t* x, __m512 zero, __m512 divisor,
+                                 __m512 rcp) {
+  const hn::ScalableTag<float> df;
+  const hn::Vec<decltype(df)> v{
+      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)))};
+  return DivideRn(df, hn::Sub(v, hn::Vec<decltype(df)>{zero}),
+                  hn::Vec<decltype(df)>{divisor}, hn::Vec<decltype(df)>{rcp})
+      .raw;
+}
+#else
+#define KVCACHE_KIVI_AVX512 0
+#endif  // AVX-512BW
+
+#if KVCACHE_KIVI_AVX512
+// EncodeKiviKeys for 16 fp32 lanes and H*D a multiple of 64: per token group
+// and run of 64 channels, extremes as 16-bit keys, then codes packed straight
+// from registers.
+template <uint32_t kBits>
+void EncodeKiviKeys512(const Section& s, const uint16_t* in, uint8_t* out) {
+  const size_t T = s.tokens, G = s.group, HD = size_t{s.heads} * s.dim;
+  const size_t groups = s.elements() / G;
+  uint8_t* zeros = out;
+  uint8_t* scales = out + 2 * groups;
+  uint8_t* codes = out + 4 * groups;
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const hn::Repartition<uint8_t, decltype(d16)> d16b;
+  const auto qmax = hn::Set(df, static_cast<float>((1u << kBits) - 1u));
+  const auto pos_zero = hn::Zero(df);
+  NextSectionPrefetcher prefetch(s, T / G * (HD / 64));
+  alignas(64) uint16_t mn[64], mx[64];
+  for (size_t g = 0; g < T / G; ++g) {
+    const uint16_t* slice = in + g * G * HD;
+    for (size_t j = 0; j < HD; j += 64) {
+      prefetch.Step();
+      __m512i lo0 = HalfToKey512(_mm512_loadu_si512(slice + j));
+      __m512i lo1 = HalfToKey512(_mm512_loadu_si512(slice + j + 32));
+      __m512i hi0 = lo0, hi1 = lo1;
+      for (size_t t = 1; t < G; ++t) {
+        const __m512i k0 = HalfToKey512(_mm512_loadu_si512(slice + t * HD + j));
+        const __m512i k1 =
+            HalfToKey512(_mm512_loadu_si512(slice + t * HD + j + 32));
+        lo0 = _mm512_min_epu16(lo0, k0);
+        hi0 = _mm512_max_epu16(hi0, k0);
+        lo1 = _mm512_min_epu16(lo1, k1);
+        hi1 = _mm512_max_epu16(hi1, k1);
+      }
+      _mm512_store_si512(mn, KeyToHalf512(lo0));
+      _mm512_store_si512(mn + 32, KeyToHalf512(lo1));
+      _mm512_store_si512(mx, KeyToHalf512(hi0));
+      _mm512_store_si512(mx + 32, KeyToHalf512(hi1));
+      __m512 zero[4], divisor[4], rcp[4];
+      for (size_t c = 0; c < 4; ++c) {
+        // As EncodeKiviKeys: a zero min or max is +0.
+        const auto lo =
+            hn::Add(HalfToF32(df, hn::Load(d16, mn + 16 * c)), pos_zero);
+        const auto hi =
+            hn::Add(HalfToF32(df, hn::Load(d16, mx + 16 * c)), pos_zero);
+        const auto zh = F32ToHalf(df, lo);
+        const auto sh = F32ToHalf(df, hn::Div(hn::Sub(hi, lo), qmax));
+        const size_t m = g * HD + j + 16 * c;
+        hn::StoreU(hn::BitCast(d16b, zh), d16b, zeros + 2 * m);
+        hn::StoreU(hn::BitCast(d16b, sh), d16b, scales + 2 * m);
+        hn::Vec<decltype(df)> dv, rc;
+        KiviDivisor(df, HalfToF32(df, sh), dv, rc);
+        zero[c] = HalfToF32(df, zh).raw;
+        divisor[c] = dv.raw;
+        rcp[c] = rc.raw;
+      }
+      for (size_t t = 0; t < G; ++t) {
+        const uint16_t* x = slice + t * HD + j;
+        StoreKiviCodes64<kBits>(
+            KiviQuotient16(x, zero[0], divisor[0], rcp[0]),
+            KiviQuotient16(x + 16, zero[1], divisor[1], rcp[1]),
+            KiviQuotient16(x + 32, zero[2], divisor[2], rcp[2]),
+            KiviQuotient16(x + 48, zero[3], divisor[3], rcp[3]),
+            codes + ((g * G + t) * HD + j) * kBits / 8);
+      }
+    }
+  }
+}
+#endif  // KVCACHE_KIVI_AVX512
+
 // Keys: groups of G tokens per channel. Metadata of token group g is the
 // contiguous run [g*HD, g*HD + HD) (HD = H*D), like one token row.
 template <uint32_t kBits, class DF>
 void EncodeKiviKeys(DF df, const Section& s, const uint16_t* in, uint8_t* out) {
   const size_t T = s.tokens, G = s.group, HD = size_t{s.heads} * s.dim;
+#if KVCACHE_KIVI_AVX512
+  if (hn::Lanes(df) == 16 && HD % 64 == 0) {
+    return EncodeKiviKeys512<kBits>(s, in, out);
+  }
+#endif
   const size_t groups = s.elements() / G;
   uint8_t* zeros = out;
   uint8_t* scales = out + 2 * groups;
@@ -852,9 +1059,11 @@ void EncodeKiviKeys(DF df, const Section& s, const uint16_t* in, uint8_t* out) {
   const auto pos_zero = hn::Zero(df);
   Scratch& scratch = GetScratch();
   uint8_t* stage = Sized(scratch.stage, G * HD);  // codes of one token group
+  NextSectionPrefetcher prefetch(s, T / G * (HD / N));
   for (size_t g = 0; g < T / G; ++g) {
     const uint16_t* slice = in + g * G * HD;
     for (size_t j = 0; j < HD; j += N) {
+      prefetch.Step();
       // Per channel over the G tokens of the group.
       auto mn = HalfToF32(df, hn::LoadU(d16, slice + j));
       auto mx = mn;
@@ -1016,10 +1225,20 @@ void EncodeKiviValues(DF df, const Section& s, const uint16_t* in,
   const hn::ScalableTag<uint16_t> du16_full;
   const hn::CappedTag<uint16_t, 16> du16_16;
   const hn::CappedTag<uint16_t, 8> du16_8;
+  NextSectionPrefetcher prefetch(s, groups);
   for (size_t k0 = 0; k0 < groups; k0 += batch) {
     const size_t count = std::min(groups - k0, batch);
     const uint16_t* src = in + k0 * G;
-    if (G % hn::Lanes(du16_full) == 0) {
+#if KVCACHE_KIVI_AVX512
+    const bool direct = N == 16 && G % 32 == 0 && count % 16 == 0;
+#else
+    const bool direct = false;
+#endif
+    if (direct) {
+#if KVCACHE_KIVI_AVX512
+      GroupMinMax512(src, G, count, mn_h, mx_h);
+#endif
+    } else if (G % hn::Lanes(du16_full) == 0) {
       GroupMinMax(du16_full, src, G, count, mn_h, mx_h);
     } else if (G % hn::Lanes(du16_16) == 0) {
       GroupMinMax(du16_16, src, G, count, mn_h, mx_h);
@@ -1065,7 +1284,32 @@ void EncodeKiviValues(DF df, const Section& s, const uint16_t* in,
       sf[k] = hn::GetLane(divisor);
       rf[k] = hn::GetLane(rcp);
     }
+#if KVCACHE_KIVI_AVX512
+    if (direct) {
+      // 64 elements (four vectors, each inside one group as G % 16 == 0)
+      // per step; group k covers [k*G, k*G + G).
+      size_t group = 0, used = 0;
+      __m512 q[4];
+      for (size_t e = 0; e < count * G; e += 64) {
+        for (size_t v = 0; v < 4; ++v) {
+          q[v] = KiviQuotient16(src + e + 16 * v, _mm512_set1_ps(zf[group]),
+                                _mm512_set1_ps(sf[group]),
+                                _mm512_set1_ps(rf[group]));
+          used += 16;
+          if (used == G) {
+            prefetch.Step();
+            ++group;
+            used = 0;
+          }
+        }
+        StoreKiviCodes64<kBits>(q[0], q[1], q[2], q[3],
+                                codes + (k0 * G + e) * kBits / 8);
+      }
+      continue;
+    }
+#endif
     for (k = 0; k < count; ++k) {
+      prefetch.Step();
       const auto zero = hn::Set(df, zf[k]);
       const auto divisor = hn::Set(df, sf[k]);
       const auto rcp = hn::Set(df, rf[k]);
