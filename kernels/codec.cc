@@ -137,7 +137,8 @@ absl::Status EncodeWith(const BlockShape& shape, const CodecPolicy& policy,
   // section is in cache, so the block is read from memory once. When a
   // section holds a non-finite value, the output written so far is zeroed:
   // the caller never sees part of an encoding. With dynamic fp8 scales, the
-  // per-head |x| maximum is the check (>= 0x7C00 means inf or NaN).
+  // per-head |x| maximum is the check (>= 0x7C00 means inf or NaN); KIVI
+  // encoders check as they find group extremes (Section::non_finite).
   const bool fp8_dynamic =
       internal::IsFp8(policy.codec) && policy.scale_mode == ScaleMode::kDynamic;
   std::vector<uint16_t> head_max(fp8_dynamic ? shape.num_kv_heads : 0);
@@ -151,19 +152,24 @@ absl::Status EncodeWith(const BlockShape& shape, const CodecPolicy& policy,
       s.next_input = src + n;
       s.next_elements = sections[i + 1].elements();
     }
-    bool finite;
+    bool finite = true;
+    bool non_finite = false;
     if (fp8_dynamic && s.codec != Codec::kNone) {
       internal::HeadAbsMaxSimd(s, src, head_max.data());
       finite = *std::max_element(head_max.begin(), head_max.end()) < 0x7C00u;
       s.head_abs_max = head_max.data();
+    } else if (internal::IsKivi(s.codec)) {
+      s.non_finite = &non_finite;  // checked while finding group extremes
     } else {
       finite = find(src, n) == n;
     }
-    if (!finite) {
-      std::memset(out.data(), 0, static_cast<size_t>(dst - out.data()));
+    if (finite) encode(s, src, dst);
+    if (!finite || non_finite) {
+      std::memset(out.data(), 0,
+                  static_cast<size_t>(dst - out.data()) +
+                      (finite ? internal::SectionBytes(s) : 0));
       return CheckFinite(shape, in, find);
     }
-    encode(s, src, dst);
     src += n;
     dst += internal::SectionBytes(s);
   }

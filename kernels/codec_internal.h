@@ -29,6 +29,11 @@ struct Section {
   // pass reads from cache instead of waiting on memory.
   const uint16_t* next_input = nullptr;
   size_t next_elements = 0;
+  // KIVI only, optional (SIMD path): when set, the encoder looks for inf and
+  // NaN itself (the AVX-512 path as part of finding group extremes) and sets
+  // *non_finite to true if the section holds any; the output is then not a
+  // valid encoding. When null, the caller has checked the input.
+  bool* non_finite = nullptr;
 
   size_t elements() const { return static_cast<size_t>(tokens) * heads * dim; }
 };

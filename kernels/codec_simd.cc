@@ -264,6 +264,14 @@ size_t FindNonFiniteImpl(const uint16_t* in, size_t n) {
   return i + FindNonFiniteHalfReference(in + i, n - i);
 }
 
+// For encoders asked to check their input (Section::non_finite): true, with
+// the flag set, when in[0, n) holds inf or NaN.
+inline bool RejectNonFinite(const Section& s, const uint16_t* in, size_t n) {
+  if (s.non_finite == nullptr || FindNonFiniteImpl(in, n) == n) return false;
+  *s.non_finite = true;
+  return true;
+}
+
 // ---- fp16 sections -------------------------------------------------------
 
 void CopyFp16(const Section& s, const uint16_t* in, uint8_t* out) {
@@ -420,8 +428,9 @@ HWY_INLINE void EncodeFp8Exact(const uint16_t* in, size_t n, float scale,
 //
 // Lanes the identity does not cover: x = 0 gets code 0 (with its sign)
 // directly; 0 < |x| < safe (fp16 subnormals, and every binade where
-// K*e + G(0) < K, i.e. quotients that may round on fp8's subnormal grid) make
-// their row go through the exact path. A code >= K means a rounded quotient
+// K*e + G(0) < K, i.e. quotients that may round on fp8's subnormal grid) are
+// recoded one by one with the reference arithmetic. A code >= K means a
+// rounded quotient
 // >= the smallest normal, so the true quotient is at least that minus a
 // quarter of the subnormal step and rounds the same on both grids.
 // kernels/codec_simd_test.cc checks every finite fp16 value against the
@@ -549,12 +558,13 @@ bool BuildFp8HeadTable(float scale, Fp8HeadTable& table) {
   return true;
 }
 
-// Codes of a head's row by the table. False, with dst partly written, when
-// the row holds a value the table does not cover (0 < |x| < safe): the
-// caller encodes that row on the exact path.
+// Codes of a head's row by the table. The values it does not cover
+// (0 < |x| < safe, rare: quotients near fp8's subnormal range) are then
+// recoded one by one with the scalar reference conversion.
 template <Codec kCodec>
-HWY_INLINE bool EncodeFp8RowByTable(const uint16_t* row, size_t n,
-                                    const Fp8HeadTable& table, uint8_t* dst) {
+HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
+                                    const Fp8HeadTable& table, float scale,
+                                    uint8_t* dst) {
   constexpr int kShift = kCodec == Codec::kFp8E4M3 ? 7 : 8;
   const __m512i max_code =
       _mm512_set1_epi16(kCodec == Codec::kFp8E4M3 ? 0x7E : 0x7B);
@@ -591,11 +601,13 @@ HWY_INLINE bool EncodeFp8RowByTable(const uint16_t* row, size_t n,
         reinterpret_cast<__m256i*>(dst + j),
         _mm512_cvtepi16_epi8(codes(_mm512_loadu_si512(row + j))));
   }
-  const __m512i safe_minus_one = _mm512_set1_epi16(table.safe - 1);
-  if (_mm512_cmplt_epu16_mask(least, safe_minus_one) != 0) return false;
+  const size_t vector_end = j;
   for (; j < n; ++j) {
     const uint16_t a = row[j] & 0x7FFFu;
-    if (a != 0 && a < table.safe) return false;
+    if (a != 0 && a < table.safe) {
+      dst[j] = Fp8Scalar<kCodec>(HalfToFloat(row[j]) / scale);
+      continue;
+    }
     const uint32_t b = (a >> 5) & 31u;
     // 16-bit wrap-around, as in the vector lanes.
     const uint16_t shifted = static_cast<uint16_t>(a + table.offset[b]);
@@ -605,7 +617,18 @@ HWY_INLINE bool EncodeFp8RowByTable(const uint16_t* row, size_t n,
                                        kCodec == Codec::kFp8E4M3 ? 0x7E : 0x7B);
     dst[j] = static_cast<uint8_t>(code | ((row[j] >> 8) & 0x80u));
   }
-  return true;
+  const __m512i safe_minus_one = _mm512_set1_epi16(table.safe - 1);
+  if (_mm512_cmplt_epu16_mask(least, safe_minus_one) == 0) return;
+  for (j = 0; j < vector_end; j += 32) {
+    const __m512i a = _mm512_and_si512(_mm512_loadu_si512(row + j), magnitude);
+    uint32_t uncovered =
+        _mm512_cmplt_epu16_mask(_mm512_add_epi16(a, minus_one), safe_minus_one);
+    while (uncovered != 0) {
+      const size_t i = j + static_cast<size_t>(__builtin_ctz(uncovered));
+      dst[i] = Fp8Scalar<kCodec>(HalfToFloat(row[i]) / scale);
+      uncovered &= uncovered - 1;
+    }
+  }
 }
 #else
 #define KVCACHE_FP8_TABLE 0
@@ -652,8 +675,9 @@ void EncodeFp8(const Section& s, const uint16_t* in, uint8_t* out) {
       prefetch.Step();
       const size_t base = (t * H + h) * D;
 #if KVCACHE_FP8_TABLE
-      if (by_table[h] &&
-          EncodeFp8RowByTable<kCodec>(in + base, D, tables[h], codes + base)) {
+      if (by_table[h]) {
+        EncodeFp8RowByTable<kCodec>(in + base, D, tables[h], scale[h],
+                                    codes + base);
         continue;
       }
 #endif
@@ -928,10 +952,12 @@ HWY_INLINE __m256i ReduceSixteenGroups(const __m512i* v) {
 }
 
 // Extremes (fp16 bits) of `count` groups of G values, G a multiple of 32,
-// count a multiple of 16.
-HWY_INLINE void GroupMinMax512(const uint16_t* in, size_t G, size_t count,
+// count a multiple of 16. True when a group holds inf or NaN: as keys, +inf
+// and positive NaNs are >= 0xFC00 and -inf and negative NaNs <= 0x03FF.
+HWY_INLINE bool GroupMinMax512(const uint16_t* in, size_t G, size_t count,
                                uint16_t* mn, uint16_t* mx) {
   __m512i lo[16], hi[16];
+  __m256i least = _mm256_set1_epi16(-1), most = _mm256_setzero_si256();
   for (size_t k0 = 0; k0 < count; k0 += 16) {
     for (size_t g = 0; g < 16; ++g) {
       const uint16_t* src = in + (k0 + g) * G;
@@ -942,15 +968,21 @@ HWY_INLINE void GroupMinMax512(const uint16_t* in, size_t G, size_t count,
         hi[g] = _mm512_max_epu16(hi[g], key);
       }
     }
-    const __m512i both = _mm512_inserti64x4(
-        _mm512_castsi256_si512(ReduceSixteenGroups<false>(lo)),
-        ReduceSixteenGroups<true>(hi), 1);
+    const __m256i group_lo = ReduceSixteenGroups<false>(lo);
+    const __m256i group_hi = ReduceSixteenGroups<true>(hi);
+    least = _mm256_min_epu16(least, group_lo);
+    most = _mm256_max_epu16(most, group_hi);
+    const __m512i both =
+        _mm512_inserti64x4(_mm512_castsi256_si512(group_lo), group_hi, 1);
     const __m512i halves = KeyToHalf512(both);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(mn + k0),
                         _mm512_castsi512_si256(halves));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(mx + k0),
                         _mm512_extracti64x4_epi64(halves, 1));
   }
+  return _mm256_cmpgt_epu16_mask(_mm256_set1_epi16(0x0400), least) != 0 ||
+         _mm256_cmpgt_epu16_mask(
+             most, _mm256_set1_epi16(static_cast<short>(0xFBFF))) != 0;
 }
 
 // Quotients (x - zero) / scale of 16 fp16 values.
@@ -985,6 +1017,7 @@ void EncodeKiviKeys512(const Section& s, const uint16_t* in, uint8_t* out) {
   const auto pos_zero = hn::Zero(df);
   NextSectionPrefetcher prefetch(s, T / G * (HD / 64));
   alignas(64) uint16_t mn[64], mx[64];
+  __m512i least = _mm512_set1_epi16(-1), most = _mm512_setzero_si512();
   for (size_t g = 0; g < T / G; ++g) {
     const uint16_t* slice = in + g * G * HD;
     for (size_t j = 0; j < HD; j += 64) {
@@ -1001,6 +1034,8 @@ void EncodeKiviKeys512(const Section& s, const uint16_t* in, uint8_t* out) {
         lo1 = _mm512_min_epu16(lo1, k1);
         hi1 = _mm512_max_epu16(hi1, k1);
       }
+      least = _mm512_min_epu16(least, _mm512_min_epu16(lo0, lo1));
+      most = _mm512_max_epu16(most, _mm512_max_epu16(hi0, hi1));
       _mm512_store_si512(mn, KeyToHalf512(lo0));
       _mm512_store_si512(mn + 32, KeyToHalf512(lo1));
       _mm512_store_si512(mx, KeyToHalf512(hi0));
@@ -1034,6 +1069,13 @@ void EncodeKiviKeys512(const Section& s, const uint16_t* in, uint8_t* out) {
       }
     }
   }
+  // Keys of inf and NaN: see GroupMinMax512.
+  if (s.non_finite != nullptr &&
+      (_mm512_cmpgt_epu16_mask(_mm512_set1_epi16(0x0400), least) != 0 ||
+       _mm512_cmpgt_epu16_mask(
+           most, _mm512_set1_epi16(static_cast<short>(0xFBFF))) != 0)) {
+    *s.non_finite = true;
+  }
 }
 #endif  // KVCACHE_KIVI_AVX512
 
@@ -1047,6 +1089,7 @@ void EncodeKiviKeys(DF df, const Section& s, const uint16_t* in, uint8_t* out) {
     return EncodeKiviKeys512<kBits>(s, in, out);
   }
 #endif
+  if (RejectNonFinite(s, in, s.elements())) return;
   const size_t groups = s.elements() / G;
   uint8_t* zeros = out;
   uint8_t* scales = out + 2 * groups;
@@ -1236,8 +1279,14 @@ void EncodeKiviValues(DF df, const Section& s, const uint16_t* in,
 #endif
     if (direct) {
 #if KVCACHE_KIVI_AVX512
-      GroupMinMax512(src, G, count, mn_h, mx_h);
+      if (GroupMinMax512(src, G, count, mn_h, mx_h) &&
+          s.non_finite != nullptr) {
+        *s.non_finite = true;
+        return;
+      }
 #endif
+    } else if (RejectNonFinite(s, src, count * G)) {
+      return;
     } else if (G % hn::Lanes(du16_full) == 0) {
       GroupMinMax(du16_full, src, G, count, mn_h, mx_h);
     } else if (G % hn::Lanes(du16_16) == 0) {
@@ -1377,6 +1426,7 @@ void EncodeKivi(const Section& s, const uint16_t* in, uint8_t* out) {
   if (KiviFits<kBits>(s, hn::Lanes(d_full))) return run(d_full);
   if (KiviFits<kBits>(s, hn::Lanes(d8))) return run(d8);
   if (KiviFits<kBits>(s, hn::Lanes(d4))) return run(d4);
+  if (RejectNonFinite(s, in, s.elements())) return;
   EncodeSectionReference(s, in, out);
 }
 
@@ -1404,6 +1454,11 @@ void DecodeKivi(const Section& s, const uint8_t* in, uint16_t* out) {
 
 void EncodeSectionImpl(const Section& s, const uint16_t* in, uint8_t* out) {
 #if HWY_TARGET == HWY_SCALAR
+  if (s.non_finite != nullptr &&
+      FindNonFiniteHalfReference(in, s.elements()) != s.elements()) {
+    *s.non_finite = true;
+    return;
+  }
   EncodeSectionReference(s, in, out);
 #else
   switch (s.codec) {

@@ -259,6 +259,40 @@ TEST_P(SimdTest, Fp8EveryFiniteHalfOverManyScales) {
   }
 }
 
+// KIVI encoders find inf and NaN while they find group extremes (no
+// separate pass): every kind, in keys and values, at the start, middle and
+// end of a section, on shapes that take the AVX-512 paths and on ones that
+// do not.
+TEST_P(SimdTest, KiviRejectsNonFiniteWhileEncoding) {
+  for (const BlockShape& shape :
+       {BlockShape{2, 8, 128, 64}, BlockShape{2, 3, 32, 32}}) {
+    const size_t sec =
+        size_t{shape.tokens_per_block} * shape.num_kv_heads * shape.head_dim;
+    for (Codec c : {Codec::kKivi2, Codec::kKivi4}) {
+      for (uint16_t bad : {0x7C00, 0xFC00, 0x7C01, 0x7FFF, 0xFC01, 0xFFFF}) {
+        for (size_t where : {size_t{0}, sec / 2 + 17, sec - 1}) {
+          for (size_t tensor : {0, 1}) {
+            CodecPolicy p;
+            p.codec = c;
+            std::vector<uint16_t> in = MakeData(shape, Data::kGaussian, 3);
+            in[(2 + tensor) * sec + where] = bad;  // layer 1
+            std::vector<uint8_t> out(EncodedBlockBytes(shape, p), 0xAB);
+            const absl::Status st =
+                EncodeBlock(shape, p, in, absl::MakeSpan(out));
+            ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument)
+                << CodecName(c) << " " << bad << " at " << where;
+            EXPECT_NE(std::string(st.message())
+                          .find(tensor == 0 ? "layer 1 K" : "layer 1 V"),
+                      std::string::npos)
+                << st.message();
+            for (uint8_t byte : out) ASSERT_TRUE(byte == 0xAB || byte == 0);
+          }
+        }
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllTargets, SimdTest,
                          ::testing::ValuesIn(SimdTargets()),
                          [](const ::testing::TestParamInfo<int64_t>& info) {
