@@ -574,7 +574,7 @@ HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
   const __m512i sign_bit = _mm512_set1_epi16(0x80);
   const __m512i minus_one = _mm512_set1_epi16(-1);
   const __m512i pack_order = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0);
-  // Unsigned minimum of |x| - 1 over the row (0 wraps to 0xFFFF).
+  // Smallest nonzero |x| of the row (as bits).
   __m512i least = minus_one;
   const auto codes = [&](__m512i x) {
     const __m512i a = _mm512_and_si512(x, magnitude);
@@ -583,8 +583,9 @@ HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
     const __m512i base = _mm512_permutexvar_epi16(bucket, base_table);
     __m512i code = _mm512_add_epi16(
         _mm512_srli_epi16(_mm512_add_epi16(a, offset), kShift), base);
-    code = _mm512_maskz_min_epu16(_mm512_test_epi16_mask(a, a), code, max_code);
-    least = _mm512_min_epu16(least, _mm512_add_epi16(a, minus_one));
+    const __mmask32 nonzero = _mm512_test_epi16_mask(a, a);
+    code = _mm512_maskz_min_epu16(nonzero, code, max_code);
+    least = _mm512_mask_min_epu16(least, nonzero, least, a);
     // code | (x >> 8 & 0x80): the sign.
     return _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(x, 8), sign_bit,
                                      0xF8);
@@ -617,12 +618,12 @@ HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
                                        kCodec == Codec::kFp8E4M3 ? 0x7E : 0x7B);
     dst[j] = static_cast<uint8_t>(code | ((row[j] >> 8) & 0x80u));
   }
-  const __m512i safe_minus_one = _mm512_set1_epi16(table.safe - 1);
-  if (_mm512_cmplt_epu16_mask(least, safe_minus_one) == 0) return;
+  const __m512i safe = _mm512_set1_epi16(table.safe);
+  if (_mm512_cmplt_epu16_mask(least, safe) == 0) return;
   for (j = 0; j < vector_end; j += 32) {
     const __m512i a = _mm512_and_si512(_mm512_loadu_si512(row + j), magnitude);
     uint32_t uncovered =
-        _mm512_cmplt_epu16_mask(_mm512_add_epi16(a, minus_one), safe_minus_one);
+        _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(a, a), a, safe);
     while (uncovered != 0) {
       const size_t i = j + static_cast<size_t>(__builtin_ctz(uncovered));
       dst[i] = Fp8Scalar<kCodec>(HalfToFloat(row[i]) / scale);
