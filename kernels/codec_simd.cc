@@ -421,10 +421,11 @@ HWY_INLINE void EncodeFp8Exact(const uint16_t* in, size_t n, float scale,
 // m + offset[b] stays in [481, 543] and crosses 512 exactly at the
 // threshold, so
 //     code(x) = ((|x| + offset[b]) >> (10 - kManBits)) + base[b]
-// with no carry out of the mantissa field: two 32-entry tables of 16-bit
-// lanes, one vpermw each. The tables come from 64 reference quotients (true
-// IEEE divisions) and a 5-step bisection per bucket; they depend on the
-// scale's significand alone up to a constant, and are cached per thread.
+// with no carry out of the mantissa field; base folds into the offset (see
+// Fp8HeadTable): one 32-entry table of 16-bit lanes, one vpermw. The tables
+// come from 64 reference quotients (true IEEE divisions) and a 5-step bisection
+// per bucket; they depend on the scale's significand alone up to a constant,
+// and are cached per thread.
 //
 // Lanes the identity does not cover: x = 0 gets code 0 (with its sign)
 // directly; 0 < |x| < safe (fp16 subnormals, and every binade where
@@ -438,9 +439,12 @@ HWY_INLINE void EncodeFp8Exact(const uint16_t* in, size_t n, float scale,
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
 #define KVCACHE_FP8_TABLE 1
 
+// offset[b] + (base[b] << kShift), mod 2^16: adding a multiple of
+// 2^kShift before the shift is adding base after it, so one table (one
+// vpermw) serves, as long as the codes of the head fit in 16 - kShift bits
+// (BuildFp8HeadTable checks the largest).
 struct Fp8HeadTable {
-  alignas(64) uint16_t offset[32];
-  alignas(64) uint16_t base[32];
+  alignas(64) uint16_t folded[32];
   uint16_t safe = 0;  // smallest |x| bits (>= 0x400) the identity covers
 };
 
@@ -540,17 +544,25 @@ bool BuildFp8HeadTable(float scale, Fp8HeadTable& table) {
   const Fp8SignificandTable& sig =
       CachedFp8SignificandTable<kCodec>(bits & 0x7FFFFFu);
   if (!sig.usable) return false;
+  constexpr int kShift = 10 - kManBits;
   const hn::ScalableTag<uint16_t> d16;
   const auto adjust = hn::Set(d16, static_cast<uint16_t>(K * e_s));
+  alignas(64) uint16_t base[32];
   for (size_t i = 0; i < 32; i += hn::Lanes(d16)) {
-    hn::Store(hn::Load(d16, sig.offset + i), d16, table.offset + i);
-    hn::Store(hn::Sub(hn::Load(d16, sig.base + i), adjust), d16,
-              table.base + i);
+    const auto b = hn::Sub(hn::Load(d16, sig.base + i), adjust);
+    hn::Store(b, d16, base + i);
+    hn::Store(hn::Add(hn::Load(d16, sig.offset + i), hn::ShiftLeft<kShift>(b)),
+              d16, table.folded + i);
   }
+  // The largest code, of the largest finite |x| (0x7BFF, bucket 31), must
+  // fit the fold; it does unless the scale is below about 2^-40.
+  const int32_t largest =
+      (static_cast<uint16_t>(0x7BFFu + sig.offset[31]) >> kShift) +
+      static_cast<int16_t>(base[31]);
+  if (largest > (0xFFFF >> kShift)) return false;
   // Smallest exponent field e >= 1 with K*e + G(0) >= K, G(0) being the
   // identity's code for e = 0, m = 0.
-  const int32_t g0 = static_cast<int16_t>(table.base[0]) +
-                     (table.offset[0] >> (10 - kManBits));
+  const int32_t g0 = static_cast<int16_t>(base[0]) + (sig.offset[0] >> kShift);
   int32_t e_min = 1;
   while (e_min <= 30 && K * e_min + g0 < K) ++e_min;
   if (e_min > 30) return false;
@@ -568,8 +580,7 @@ HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
   constexpr int kShift = kCodec == Codec::kFp8E4M3 ? 7 : 8;
   const __m512i max_code =
       _mm512_set1_epi16(kCodec == Codec::kFp8E4M3 ? 0x7E : 0x7B);
-  const __m512i offset_table = _mm512_load_si512(table.offset);
-  const __m512i base_table = _mm512_load_si512(table.base);
+  const __m512i folded_table = _mm512_load_si512(table.folded);
   const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
   const __m512i sign_bit = _mm512_set1_epi16(0x80);
   const __m512i minus_one = _mm512_set1_epi16(-1);
@@ -579,10 +590,9 @@ HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
   const auto codes = [&](__m512i x) {
     const __m512i a = _mm512_and_si512(x, magnitude);
     const __m512i bucket = _mm512_srli_epi16(a, 5);  // vpermw reads 5 bits
-    const __m512i offset = _mm512_permutexvar_epi16(bucket, offset_table);
-    const __m512i base = _mm512_permutexvar_epi16(bucket, base_table);
-    __m512i code = _mm512_add_epi16(
-        _mm512_srli_epi16(_mm512_add_epi16(a, offset), kShift), base);
+    __m512i code = _mm512_srli_epi16(
+        _mm512_add_epi16(a, _mm512_permutexvar_epi16(bucket, folded_table)),
+        kShift);
     const __mmask32 nonzero = _mm512_test_epi16_mask(a, a);
     code = _mm512_maskz_min_epu16(nonzero, code, max_code);
     least = _mm512_mask_min_epu16(least, nonzero, least, a);
@@ -611,8 +621,7 @@ HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
     }
     const uint32_t b = (a >> 5) & 31u;
     // 16-bit wrap-around, as in the vector lanes.
-    const uint16_t shifted = static_cast<uint16_t>(a + table.offset[b]);
-    uint32_t code = static_cast<uint16_t>((shifted >> kShift) + table.base[b]);
+    uint32_t code = static_cast<uint16_t>(a + table.folded[b]) >> kShift;
     code = a == 0 ? 0
                   : std::min<uint32_t>(code,
                                        kCodec == Codec::kFp8E4M3 ? 0x7E : 0x7B);
