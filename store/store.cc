@@ -817,11 +817,10 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
   }
 
   const bool residual = ns->window_blocks > 0;
-  std::vector<uint8_t> stored;
   for (size_t i = 0; i < by_block.size(); ++i) {
     if (by_block[i] == nullptr) continue;
-    absl::Status written = EncodeToPages(
-        *ns, lease->blocks[i].key, by_block[i]->fp16, lease->pages[i], &stored);
+    absl::Status written = EncodeToPages(*ns, lease->blocks[i].key,
+                                         by_block[i]->fp16, lease->pages[i]);
     if (!written.ok()) {
       return fail(absl::Status(
           written.code(), absl::StrCat("block ", i, ": ", written.message())));
@@ -890,8 +889,13 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
 
 absl::Status Store::EncodeToPages(const Namespace& ns, absl::string_view key,
                                   absl::Span<const uint8_t> fp16,
-                                  const PageList& pages,
-                                  std::vector<uint8_t>* scratch) {
+                                  const PageList& pages) {
+  // Per thread and reused: a fresh buffer per block would be fresh memory
+  // per block, and the kernel zeroing it (a 2 MiB huge page per fault) cost
+  // more than the encoding. Buffers above kKeptScratchBytes are not kept.
+  constexpr size_t kKeptScratchBytes = size_t{32} << 20;
+  static thread_local std::vector<uint8_t> scratch_buffer;
+  std::vector<uint8_t>* scratch = &scratch_buffer;
   const bool residual = ns.window_blocks > 0;
   const NamespaceInfo& info = ns.info;
   const kernels::BlockShape& shape = info.config.shape;
@@ -933,7 +937,10 @@ absl::Status Store::EncodeToPages(const Namespace& ns, absl::string_view key,
       MakeBlockHeader(shape, policy, info.fingerprint, key, out);
   status = WriteHeader(pages.first, header);
   if (status.ok() && out.data() == scratch->data()) {
-    status = pool_.Scatter(pages, *scratch);
+    status = pool_.Scatter(pages, out);
+  }
+  if (scratch->capacity() > kKeptScratchBytes) {
+    std::vector<uint8_t>().swap(*scratch);
   }
   return status;
 }
@@ -974,9 +981,8 @@ absl::Status Store::StageBlock(uint64_t write_id, uint32_t index,
                      " bytes; this layout's fp16 block is ",
                      ns->info.fp16_block_bytes, " bytes"));
   } else {
-    std::vector<uint8_t> scratch;
-    status = EncodeToPages(*ns, lease->blocks[index].key, fp16,
-                           lease->pages[index], &scratch);
+    status =
+        EncodeToPages(*ns, lease->blocks[index].key, fp16, lease->pages[index]);
     if (!status.ok()) {
       status = absl::Status(
           status.code(), absl::StrCat("block ", index, ": ", status.message()));

@@ -359,8 +359,7 @@ class Store {
   // header and payload into `pages`, which the caller owns.
   absl::Status EncodeToPages(const Namespace& ns, absl::string_view key,
                              absl::Span<const uint8_t> fp16,
-                             const PageList& pages,
-                             std::vector<uint8_t>* scratch);
+                             const PageList& pages);
   uint64_t NewLeaseId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_mu_);
   absl::Time LeaseDeadline(absl::Duration ttl) const;
   void AccountAdd(const Entry& entry, int sign);
