@@ -431,9 +431,9 @@ HWY_INLINE void EncodeFp8Exact(const uint16_t* in, size_t n, float scale,
 // directly; 0 < |x| < safe (fp16 subnormals, and every binade where
 // K*e + G(0) < K, i.e. quotients that may round on fp8's subnormal grid) are
 // recoded one by one with the reference arithmetic. A code >= K means a
-// rounded quotient
-// >= the smallest normal, so the true quotient is at least that minus a
-// quarter of the subnormal step and rounds the same on both grids.
+// rounded quotient >= the smallest normal, so the true quotient is at least
+// that minus a quarter of the subnormal step and rounds the same on both
+// grids.
 // kernels/codec_simd_test.cc checks every finite fp16 value against the
 // reference over a spread of scales.
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
@@ -667,8 +667,9 @@ void EncodeFp8(const Section& s, const uint16_t* in, uint8_t* out) {
     for (size_t h = 0; h < H; ++h) scale[h] = s.static_scales[h];
   }
 #if KVCACHE_FP8_TABLE
-  // The tables cost about 14 vectors of exact quotients per head; below a
-  // few hundred values per head the exact path is as fast.
+  // A head's table is a cache lookup, or about 14 vectors of exact
+  // quotients when its significand is new; below a few hundred values per
+  // head the exact path is about as fast.
   static thread_local std::vector<Fp8HeadTable> tables;
   static thread_local std::vector<uint8_t> by_table;
   if (tables.size() < H) tables.resize(H);
