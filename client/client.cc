@@ -392,6 +392,7 @@ struct Client::Impl {
       address.listener = TargetHost(options.target) + address.listener;
     }
     address.worker = info.worker_address();
+    address.bounded_reads = info.bounded_reads();
     return address;
   }
 

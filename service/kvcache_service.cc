@@ -342,6 +342,7 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   response->mutable_data_plane()->set_worker_address(
       data_plane_->worker_address());
   response->mutable_data_plane()->set_token(ucx::TokenBytes(*token));
+  response->mutable_data_plane()->set_bounded_reads(true);
   return absl::OkStatus();
 }
 

@@ -28,8 +28,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/ucx/client_plane.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvcache/client.h"
+#include "kvcache/v1/kvcache.grpc.pb.h"
 #include "service/flags.h"
 #include "service/metrics.h"
 #include "service/node.h"
@@ -578,6 +581,71 @@ TEST_P(UcxTest, ConnectionsWithoutAValidTokenAreClosed) {
   ASSERT_TRUE(PutChain(client_.get(), "ok", SmallShape(), 0, 2).ok());
   auto got = client_->Get("ok", Keys(0, 2));
   ASSERT_TRUE(got.ok()) << got.status();
+}
+
+// A read whose destinations do not lie inside the region it registered is
+// refused before anything is put (over shared memory such a put would be a
+// memcpy outside the node's mapping of the client's segment): below the
+// region, past its end, and straddling its end. The lease is released, the
+// region untouched, and the node serves the next read.
+TEST_P(UcxTest, ReadDestinationsOutsideTheRegionAreRefused) {
+  const kernels::BlockShape shape = SmallShape();
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("bounds", Codec::kNone, shape)).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "bounds", shape, 0, 2).ok());
+  auto stub = kvcache::v1::KvCache::NewStub(
+      grpc::CreateChannel(Target(), grpc::InsecureChannelCredentials()));
+  auto plane = ucx::ClientPlane::Create();
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  const uint64_t block_bytes = kernels::Fp16BlockBytes(shape);
+  for (int trial = 0; trial < 3; ++trial) {
+    kvcache::v1::BeginReadRequest request;
+    request.set_namespace_name("bounds");
+    request.add_keys(Key(0));
+    request.add_keys(Key(1));
+    request.set_format(kvcache::v1::READ_FORMAT_FP16);
+    kvcache::v1::BeginReadResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    grpc::Status rpc = stub->BeginRead(&ctx, request, &response);
+    ASSERT_TRUE(rpc.ok()) << rpc.error_message();
+    ASSERT_TRUE(response.has_data_plane());
+    ASSERT_TRUE(response.data_plane().bounded_reads());
+    ucx::NodeAddress address;
+    address.listener = response.data_plane().ucx_address();
+    if (!address.listener.empty() && address.listener.front() == ':') {
+      address.listener = "127.0.0.1" + address.listener;
+    }
+    address.worker = response.data_plane().worker_address();
+    address.bounded_reads = true;
+    auto region = (*plane)->Allocate(2 * block_bytes);
+    ASSERT_TRUE(region.ok()) << region.status();
+    std::memset((*region)->data(), 0xAB, 2 * block_bytes);
+    const uint64_t base = reinterpret_cast<uint64_t>((*region)->data());
+    const uint64_t starts[] = {base - block_bytes, base + 2 * block_bytes,
+                               base + block_bytes + block_bytes / 2};
+    std::shared_ptr<ucx::MemoryRegion> held = *std::move(region);
+    auto token = ucx::TokenFromBytes(response.data_plane().token());
+    ASSERT_TRUE(token.ok());
+    auto read = (*plane)->StartRead(address, response.read_id(), *token, held,
+                                    {base, starts[trial]}, 1,
+                                    /*per_layer=*/false);
+    ASSERT_TRUE(read.ok()) << read.status();
+    const absl::Status done =
+        (*read)->WaitLayers(1, absl::Now() + absl::Seconds(10));
+    EXPECT_EQ(done.code(), absl::StatusCode::kInvalidArgument) << done;
+    EXPECT_NE(done.message().find("outside the registered region"),
+              std::string::npos)
+        << done;
+    read->reset();
+    for (uint64_t i = 0; i < 2 * block_bytes; ++i) {
+      ASSERT_EQ(held->data()[i], 0xAB) << "byte " << i << " trial " << trial;
+    }
+  }
+  ExpectNothingHeld(absl::Seconds(10));
+  auto got = client_->Get("bounds", Keys(0, 2));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->blocks.size(), 2u);
 }
 
 TEST_P(UcxTest, FullStagingIsResourceExhaustedWithARetryHint) {

@@ -351,7 +351,8 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   h.num_blocks = static_cast<uint32_t>(destinations.size());
   h.rkey_length = static_cast<uint32_t>(rkey->size());
   h.client_address_length = static_cast<uint32_t>(worker_address_.size());
-  h.per_layer = per_layer ? 1 : 0;
+  h.flags = (per_layer ? kReadFlagPerLayer : 0) |
+            (address.bounded_reads ? kReadFlagBounded : 0);
   h.buffer_id = buffer_id;
   std::string header = Encode(h);
   // Header, key, destinations, this worker's address: kept by the
@@ -361,6 +362,14 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
     for (int i = 0; i < 8; ++i) keep.push_back(static_cast<char>(d >> (8 * i)));
   }
   keep += worker_address_;
+  if (address.bounded_reads) {
+    for (uint64_t v : {reinterpret_cast<uint64_t>(region->data()),
+                       static_cast<uint64_t>(region->size())}) {
+      for (int i = 0; i < 8; ++i) {
+        keep.push_back(static_cast<char>(v >> (8 * i)));
+      }
+    }
+  }
   auto state = std::make_shared<ReadState>();
   std::string token_bytes = TokenBytes(token);
   bool posted = loop_->Post([this, address, token_bytes, state,

@@ -52,6 +52,9 @@ namespace kvcache::ucx {
 struct NodeAddress {
   std::string listener;  // "host:port"
   std::string worker;    // packed ucp worker address; may be empty
+  // The node checks read destinations against the region's bounds
+  // (DataPlaneInfo.bounded_reads): reads send them.
+  bool bounded_reads = false;
   // Connections are kept per node under this key; a node that restarts
   // has a new worker address, so a new key.
   std::string key() const { return listener + "|" + worker; }

@@ -681,9 +681,17 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
   }
   conn->authenticated = true;
   const size_t blocks = session->result.blocks.size();
-  if (h->num_blocks != blocks || data.size() != uint64_t{h->rkey_length} +
-                                                    8 * uint64_t{blocks} +
-                                                    h->client_address_length) {
+  if ((h->flags & ~(kReadFlagPerLayer | kReadFlagBounded)) != 0) {
+    FinishRead(session, absl::InvalidArgumentError(absl::StrCat(
+                            "read request with unknown flags ", h->flags)));
+    return;
+  }
+  const bool bounded = (h->flags & kReadFlagBounded) != 0;
+  const uint64_t addresses_at = h->rkey_length;
+  const uint64_t worker_at = addresses_at + 8 * uint64_t{blocks};
+  const uint64_t bounds_at = worker_at + h->client_address_length;
+  if (h->num_blocks != blocks ||
+      data.size() != bounds_at + (bounded ? kReadBoundsBytes : 0)) {
     FinishRead(
         session,
         absl::InvalidArgumentError(absl::StrCat(
@@ -691,12 +699,39 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
             " bytes of keys and addresses; the read has ", blocks, " blocks")));
     return;
   }
+  std::vector<uint64_t> remote(blocks);
+  for (size_t i = 0; i < blocks; ++i) {
+    remote[i] = LoadLe64(data.data() + addresses_at + 8 * i);
+  }
+  if (bounded) {
+    // Over shared memory a put is a memcpy into the node's mapping of the
+    // client's segment, which UCX does not bound: a destination outside the
+    // region would be written outside that mapping.
+    const uint64_t base = LoadLe64(data.data() + bounds_at);
+    const uint64_t length = LoadLe64(data.data() + bounds_at + 8);
+    if (length > UINT64_MAX - base) {
+      FinishRead(session, absl::InvalidArgumentError(
+                              "read region wraps the address space"));
+      return;
+    }
+    for (size_t i = 0; i < blocks; ++i) {
+      const uint64_t size = session->result.blocks[i].size();
+      if (remote[i] < base || remote[i] - base > length ||
+          size > length - (remote[i] - base)) {
+        FinishRead(session, absl::InvalidArgumentError(absl::StrCat(
+                                "read destination of block ", i, " (", size,
+                                " bytes at 0x", absl::Hex(remote[i]),
+                                ") lies outside the registered region (",
+                                length, " bytes at 0x", absl::Hex(base), ")")));
+        return;
+      }
+    }
+  }
   if (conn->adopted && conn->put_ep == nullptr) {
     bool peer_errors = false;
     absl::StatusOr<std::unique_ptr<Endpoint>> put_ep =
         Endpoint::ConnectToWorker(
-            loop_->worker(),
-            data.substr(h->rkey_length + 8 * blocks, h->client_address_length),
+            loop_->worker(), data.substr(worker_at, h->client_address_length),
             &DataPlane::OnEndpointError, this, &peer_errors);
     if (!put_ep.ok()) {
       FinishRead(session, put_ep.status());
@@ -726,11 +761,8 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
       conn->buffer_keys[h->buffer_id] = {std::string(packed), session->rkey};
     }
   }
-  std::vector<uint64_t> remote(blocks);
-  for (size_t i = 0; i < blocks; ++i) {
-    remote[i] = LoadLe64(data.data() + h->rkey_length + 8 * i);
-  }
-  StartPuts(session, conn, std::move(remote), h->per_layer != 0);
+  StartPuts(session, conn, std::move(remote),
+            (h->flags & kReadFlagPerLayer) != 0);
 }
 
 void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,

@@ -136,7 +136,7 @@ std::string Encode(const ReadStartHeader& h) {
   w.U32(h.num_blocks);
   w.U32(h.rkey_length);
   w.U32(h.client_address_length);
-  w.U8(h.per_layer);
+  w.U8(h.flags);
   w.U64(h.buffer_id);
   return w.Take();
 }
@@ -183,7 +183,7 @@ absl::StatusOr<ReadStartHeader> DecodeReadStart(absl::string_view bytes) {
   h.num_blocks = r.U32();
   h.rkey_length = r.U32();
   h.client_address_length = r.U32();
-  h.per_layer = r.U8();
+  h.flags = r.U8();
   h.buffer_id = r.U64();
   return h;
 }

@@ -13,7 +13,11 @@
 //                  little-endian u64 destination address per block, then
 //                  the client's own worker address (the node puts through
 //                  an endpoint of its own to it when the client connected
-//                  to the node's worker address rather than its listener).
+//                  to the node's worker address rather than its listener),
+//                  then, when the header's flags say so (kReadFlagBounded:
+//                  to nodes that offer DataPlaneInfo.bounded_reads), the
+//                  region's base address and length (u64 each): the node
+//                  refuses a destination outside them.
 //   kAmReleaseBuffer client -> node  header ReleaseBufferHeader: the client
 //                  freed its long-lived buffer `buffer_id`; the node drops
 //                  the remote key it kept for it on this connection.
@@ -73,8 +77,9 @@ struct ReadStartHeader {
   uint32_t num_blocks = 0;
   uint32_t rkey_length = 0;
   uint32_t client_address_length = 0;
-  // 1: put layer by layer and report each layer; 0: whole blocks, one report.
-  uint8_t per_layer = 0;
+  // kReadFlagPerLayer: put layer by layer and report each layer (else whole
+  // blocks, one report); kReadFlagBounded: the region's bounds follow.
+  uint8_t flags = 0;
   // 0: the remote key is for this read only, and the node destroys it when
   // the read ends. Otherwise the id (unique within the client process) of
   // a long-lived client buffer the key covers: the node may keep the
@@ -82,6 +87,11 @@ struct ReadStartHeader {
   // until kAmReleaseBuffer names it or the connection ends.
   uint64_t buffer_id = 0;
 };
+
+inline constexpr uint8_t kReadFlagPerLayer = 1;
+inline constexpr uint8_t kReadFlagBounded = 2;
+// Bytes of the region's bounds after the worker address.
+inline constexpr size_t kReadBoundsBytes = 16;
 
 struct ReleaseBufferHeader {
   uint64_t buffer_id = 0;
