@@ -9,6 +9,7 @@
 #include <mutex>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -24,6 +25,11 @@ namespace {
 
 constexpr char kRetryAfterKey[] = "kvcache-retry-after-ms";
 constexpr char kRetryPayloadUrl[] = "type.kvcache.dev/retry-after-ms";
+// How long a Put whose blocks the node pulls from the caller's buffer waits,
+// after its deadline or a failure, for the node to confirm it stopped
+// reading them (as a Read abandoned over shared memory does).
+constexpr absl::Duration kPulledWriteGrace = absl::Seconds(5);
+
 // Bytes of a CommitWrite beyond its payloads (keys, framing).
 constexpr size_t kMessageSlack = 64 << 10;
 // The longest a best-effort cleanup RPC (AbortWrite, EndRead) may take.
@@ -222,6 +228,15 @@ struct Client::Impl {
     uint64_t id;
     std::weak_ptr<ucx::MemoryRegion> region;
   };
+  // Nodes (NodeAddress::key) that refused to map a buffer of this client:
+  // writes to them send their blocks.
+  std::mutex pull_mu;
+  absl::flat_hash_set<std::string> pull_refused;  // guarded by pull_mu
+  bool PullRefused(const std::string& node) {
+    std::lock_guard<std::mutex> lock(pull_mu);
+    return pull_refused.contains(node);
+  }
+
   std::mutex buffers_mu;
   std::map<uintptr_t, Buffer> buffers;  // guarded by buffers_mu
   uint64_t next_buffer_id = 1;          // guarded by buffers_mu
@@ -322,6 +337,35 @@ struct Client::Impl {
   // Best-effort cleanup RPCs: sent without waiting for the answer (the node
   // ends the lease at its TTL anyway), so a call never outlives its
   // deadline for them.
+  // For a write whose blocks the node pulls from this client's memory: ends
+  // the write and returns once the node confirms that it no longer reads
+  // them (its AbortWrite succeeds, or finds the write gone: committed or
+  // dropped), bounded by kPulledWriteGrace. A node stops staging only
+  // between blocks, and over shared memory nothing else stops it, so the
+  // caller's buffer must not be given back before this.
+  absl::Status EndPulledWrite(uint64_t write_id) {
+    const absl::Time give_up = absl::Now() + kPulledWriteGrace;
+    while (true) {
+      v1::AbortWriteRequest request;
+      request.set_write_id(write_id);
+      v1::AbortWriteResponse response;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(
+          std::min(give_up, absl::Now() + absl::Seconds(1))));
+      const grpc::Status s = stub->AbortWrite(&ctx, request, &response);
+      if (s.ok() || s.error_code() == grpc::StatusCode::NOT_FOUND) {
+        return absl::OkStatus();
+      }
+      if (absl::Now() >= give_up) {
+        return absl::InternalError(absl::StrCat(
+            "could not confirm that the node stopped reading the buffer of "
+            "write ",
+            write_id, ": ", s.error_message()));
+      }
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+  }
+
   void AbortWriteAsync(uint64_t write_id) {
     v1::AbortWriteRequest request;
     request.set_write_id(write_id);
@@ -393,6 +437,7 @@ struct Client::Impl {
     }
     address.worker = info.worker_address();
     address.bounded_reads = info.bounded_reads();
+    address.pull_writes = info.pull_writes();
     return address;
   }
 
@@ -604,13 +649,20 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
       return local < static_cast<size_t>(begin_response.present_size()) &&
              begin_response.present(static_cast<int>(local));
     };
-    bool sent = false;  // the bytes went over the data plane
+    bool sent = false;    // the bytes went over the data plane
+    bool pulled = false;  // ... and the node takes them from a DataBuffer
+    // Blocks that lie in a DataBuffer go with its registration (held until
+    // the commit has answered: a node that pulls reads the buffer until
+    // then).
+    std::vector<std::shared_ptr<ucx::MemoryRegion>> regions;
     if (begin_response.has_data_plane() &&
         !begin_response.data_plane().ucx_address().empty()) {
+      const ucx::NodeAddress node = impl_->Resolve(begin_response.data_plane());
       std::vector<ucx::ClientPlane::Block> sends;
-      // Blocks that lie in a DataBuffer go with its registration (held for
-      // the sends).
-      std::vector<std::shared_ptr<ucx::MemoryRegion>> regions;
+      std::vector<ucx::ClientPlane::PullBlock> pulls;
+      // Pulls need every block in one DataBuffer.
+      uint64_t pull_buffer = 0;
+      bool pullable = node.pull_writes && !impl_->PullRefused(node.key());
       for (size_t i = begin; i < end; ++i) {
         if (present(i - begin)) continue;
         const auto* data =
@@ -622,11 +674,18 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
         ucp_mem_h memh = nullptr;
         if (region != nullptr) {
           memh = region->memh();
+          if (pulls.empty()) pull_buffer = buffer_id;
+          pullable = pullable && buffer_id == pull_buffer;
           regions.push_back(std::move(region));
+        } else {
+          pullable = false;
         }
         sends.push_back({static_cast<uint32_t>(i - begin),
                          absl::MakeConstSpan(data, size), memh});
+        pulls.push_back({static_cast<uint32_t>(i - begin),
+                         reinterpret_cast<uintptr_t>(data)});
       }
+      pullable = pullable && !pulls.empty();
       absl::Status st = [&]() -> absl::Status {
         // Once sent, the bytes travel to the end (bounded by the deadline):
         // a cancel does not cut a transfer short.
@@ -636,12 +695,33 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
         absl::StatusOr<ucx::Token> token =
             ucx::TokenFromBytes(begin_response.data_plane().token());
         if (!token.ok()) return token.status();
+        if (pullable) {
+          pulled = true;
+          return (*ucx_plane)
+              ->PullBlocks(node, begin_response.write_id(), *token,
+                           *regions.front(), pull_buffer, pulls,
+                           scope.deadline);
+        }
         return (*ucx_plane)
-            ->SendBlocks(impl_->Resolve(begin_response.data_plane()),
-                         begin_response.write_id(), *token, sends,
+            ->SendBlocks(node, begin_response.write_id(), *token, sends,
                          scope.deadline);
       }();
       sent = st.ok();
+      if (!st.ok() && pulled) {
+        // The node may have the request and be reading the buffer.
+        if (absl::Status ended =
+                impl_->EndPulledWrite(begin_response.write_id());
+            !ended.ok()) {
+          return ended;
+        }
+        if (st.code() == absl::StatusCode::kUnavailable &&
+            impl_->options.data_plane == DataPlane::kAuto) {
+          std::lock_guard<std::mutex> lock(impl_->pull_mu);
+          impl_->pull_refused.insert(node.key());
+          continue;  // again without a pull, which then falls back inline
+        }
+        return st;
+      }
       // kAuto: a data plane this process cannot reach sends inline with
       // the same lease (the node drops the staging then). Anything else
       // ends the write.
@@ -669,6 +749,23 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
     absl::Status st = impl_->Rpc(scope, [&](grpc::ClientContext* ctx) {
       return impl_->stub->CommitWrite(ctx, commit, &commit_response);
     });
+    if (!st.ok() && pulled && st.code() == absl::StatusCode::kUnimplemented) {
+      // The node could not map the buffer (no shared memory between us):
+      // it has dropped the write; send this batch again, and from now on.
+      std::lock_guard<std::mutex> lock(impl_->pull_mu);
+      impl_->pull_refused.insert(
+          impl_->Resolve(begin_response.data_plane()).key());
+      continue;
+    }
+    if (!st.ok() && pulled) {
+      // A commit cut short (deadline, cancel) may still be waiting for the
+      // node to finish reading the buffer: end the write and wait for that.
+      if (absl::Status ended = impl_->EndPulledWrite(begin_response.write_id());
+          !ended.ok()) {
+        return ended;
+      }
+      return st;
+    }
     if (!st.ok()) {
       // Not committed, or not known to be: a commit cut short may still
       // complete on the node; otherwise the lease ends at its TTL.

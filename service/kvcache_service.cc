@@ -212,6 +212,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginWrite(
       response->mutable_data_plane()->set_worker_address(
           data_plane_->worker_address());
       response->mutable_data_plane()->set_token(ucx::TokenBytes(*token));
+      response->mutable_data_plane()->set_pull_writes(true);
     }
     response->set_write_id(r->write_id);
     for (bool present : r->present) response->add_present(present);

@@ -648,6 +648,129 @@ TEST_P(UcxTest, ReadDestinationsOutsideTheRegionAreRefused) {
   ASSERT_EQ(got->blocks.size(), 2u);
 }
 
+// Puts from a DataBuffer: where the node can map the buffer (shared
+// memory) it encodes the blocks straight from it (kAmWritePull, counted in
+// pulled_blocks); over tcp it cannot, refuses the pull, and the client
+// sends that node blocks from then on. Either way the stored bytes are the
+// encoding of the input, bit for bit, and a put from heap memory is never
+// pulled.
+TEST_P(UcxTest, PutsFromADataBufferArePulledWhereTheNodeCanMapThem) {
+  const bool shm = std::string(GetParam().name) == "shm";
+  const kernels::BlockShape shape = LargeShape();
+  const size_t stride = kernels::Fp16BlockBytes(shape);
+  for (Codec codec : {Codec::kNone, Codec::kFp8E4M3}) {
+    const std::string ns = absl::StrCat("pull-", kernels::CodecName(codec));
+    ASSERT_TRUE(client_->RegisterNamespace(Spec(ns, codec, shape)).ok());
+    auto buffer = client_->AllocateBuffer(4 * stride);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    std::vector<BlockWrite> writes;
+    std::vector<std::vector<uint16_t>> inputs;
+    for (int i = 0; i < 4; ++i) {
+      inputs.push_back(RandomBlock(shape, 100 + i));
+      std::memcpy((*buffer)->data() + i * stride, inputs.back().data(), stride);
+      writes.push_back({Key(100 + i), "",
+                        absl::MakeConstSpan(reinterpret_cast<const uint16_t*>(
+                                                (*buffer)->data() + i * stride),
+                                            stride / 2)});
+    }
+    const uint64_t pulled_before = node_->data_plane()->Stats().pulled_blocks;
+    auto put = client_->Put(ns, writes);
+    ASSERT_TRUE(put.ok()) << put.status();
+    EXPECT_EQ(put->stored, 4u);
+    EXPECT_EQ(node_->data_plane()->Stats().pulled_blocks - pulled_before,
+              shm ? 4u : 0u);
+    // A put from heap memory goes as active messages.
+    std::vector<uint16_t> heap = RandomBlock(shape, 200);
+    auto heap_put = client_->Put(ns, {{Key(200), Key(103), heap}});
+    ASSERT_TRUE(heap_put.ok()) << heap_put.status();
+    EXPECT_EQ(node_->data_plane()->Stats().pulled_blocks - pulled_before,
+              shm ? 4u : 0u);
+    inputs.push_back(heap);
+    std::vector<std::string> keys = {Key(100), Key(101), Key(102), Key(103),
+                                     Key(200)};
+    auto got = client_->Get(ns, keys, ReadFormat::kRaw);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->blocks.size(), keys.size());
+    CodecPolicy policy;
+    policy.codec = codec;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      std::vector<uint8_t> want(kernels::EncodedBlockBytes(shape, policy));
+      ASSERT_TRUE(
+          kernels::EncodeBlock(shape, policy, inputs[i], absl::MakeSpan(want))
+              .ok());
+      ASSERT_EQ(got->blocks[i].bytes.size(), want.size());
+      EXPECT_EQ(
+          std::memcmp(got->blocks[i].bytes.data(), want.data(), want.size()), 0)
+          << CodecName(codec) << " block " << i;
+    }
+  }
+  ExpectNothingHeld(absl::Seconds(10));
+}
+
+// A pull naming a block outside the region it registered fails the write
+// with INVALID_ARGUMENT before anything is read (over shared memory such a
+// block would be read from outside the node's mapping of the client's
+// segment); the node serves the next write.
+TEST_P(UcxTest, WritePullOutsideTheRegionIsRefused) {
+  const kernels::BlockShape shape = SmallShape();
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("pull-bounds", Codec::kNone, shape))
+          .ok());
+  auto stub = kvcache::v1::KvCache::NewStub(
+      grpc::CreateChannel(Target(), grpc::InsecureChannelCredentials()));
+  auto plane = ucx::ClientPlane::Create();
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  const uint64_t block_bytes = kernels::Fp16BlockBytes(shape);
+  auto region = (*plane)->Allocate(block_bytes);
+  ASSERT_TRUE(region.ok()) << region.status();
+  const uint64_t base = reinterpret_cast<uint64_t>((*region)->data());
+  for (uint64_t address :
+       {base - block_bytes, base + block_bytes, base + block_bytes / 2}) {
+    kvcache::v1::BeginWriteRequest begin;
+    begin.set_namespace_name("pull-bounds");
+    begin.add_blocks()->set_key(Key(7));
+    begin.set_use_data_plane(true);
+    kvcache::v1::BeginWriteResponse begun;
+    {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+      grpc::Status rpc = stub->BeginWrite(&ctx, begin, &begun);
+      ASSERT_TRUE(rpc.ok()) << rpc.error_message();
+    }
+    ASSERT_TRUE(begun.data_plane().pull_writes());
+    ucx::NodeAddress node;
+    node.listener = begun.data_plane().ucx_address();
+    if (!node.listener.empty() && node.listener.front() == ':') {
+      node.listener = "127.0.0.1" + node.listener;
+    }
+    node.worker = begun.data_plane().worker_address();
+    node.pull_writes = true;
+    auto token = ucx::TokenFromBytes(begun.data_plane().token());
+    ASSERT_TRUE(token.ok());
+    const ucx::ClientPlane::PullBlock block{0, address};
+    ASSERT_TRUE((*plane)
+                    ->PullBlocks(node, begun.write_id(), *token, **region, 0,
+                                 absl::MakeConstSpan(&block, 1),
+                                 absl::Now() + absl::Seconds(10))
+                    .ok());
+    kvcache::v1::CommitWriteRequest commit;
+    commit.set_write_id(begun.write_id());
+    kvcache::v1::CommitWriteResponse committed;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    grpc::Status rpc = stub->CommitWrite(&ctx, commit, &committed);
+    EXPECT_EQ(rpc.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << rpc.error_message();
+    EXPECT_NE(rpc.error_message().find("outside the registered region"),
+              std::string::npos)
+        << rpc.error_message();
+  }
+  ExpectNothingHeld(absl::Seconds(10));
+  ASSERT_TRUE(PutChain(client_.get(), "pull-bounds", shape, 0, 2).ok());
+  auto got = client_->Get("pull-bounds", Keys(0, 2));
+  ASSERT_TRUE(got.ok()) << got.status();
+}
+
 TEST_P(UcxTest, FullStagingIsResourceExhaustedWithARetryHint) {
   StartNode(256ull << 20, 4 * kernels::Fp16BlockBytes(SmallShape()),
             absl::Seconds(30));

@@ -336,6 +336,79 @@ absl::Status ClientPlane::SendBlocks(const NodeAddress& address,
   return state->status;
 }
 
+absl::Status ClientPlane::PullBlocks(const NodeAddress& address,
+                                     uint64_t write_id, const Token& token,
+                                     const MemoryRegion& region,
+                                     uint64_t buffer_id,
+                                     absl::Span<const PullBlock> blocks,
+                                     absl::Time deadline) {
+  if (blocks.empty()) return absl::OkStatus();
+  absl::StatusOr<std::string> rkey = region.PackRemoteKey();
+  if (!rkey.ok()) return rkey.status();
+  WritePullHeader h;
+  h.write_id = write_id;
+  h.token = token;
+  h.num_blocks = static_cast<uint32_t>(blocks.size());
+  h.rkey_length = static_cast<uint32_t>(rkey->size());
+  h.client_address_length = static_cast<uint32_t>(worker_address_.size());
+  h.buffer_id = buffer_id;
+  h.region_base = reinterpret_cast<uint64_t>(region.data());
+  h.region_length = region.size();
+  const std::string header = Encode(h);
+  // Header, key, entries, this worker's address: kept by the operation.
+  std::string keep = header + *rkey;
+  auto put_le = [&keep](uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i)
+      keep.push_back(static_cast<char>(v >> (8 * i)));
+  };
+  for (const PullBlock& b : blocks) {
+    put_le(b.index, 4);
+    put_le(b.address, 8);
+  }
+  keep += worker_address_;
+  auto state = std::make_shared<SendState>();
+  state->pending = 1;
+  bool posted = loop_->Post([this, address, state, header_size = header.size(),
+                             keep = std::move(keep)]() mutable {
+    absl::StatusOr<Connection*> conn = GetConnection(address);
+    if (!conn.ok()) {
+      state->Complete(1, conn.status());
+      return;
+    }
+    const ucp_ep_h ep = (*conn)->ep->get();
+    loop_->AddBusy(1);
+    Operation::Start(
+        Operation::Kind::kSend,
+        [ep, header_size](const ucp_request_param_t& param,
+                          absl::string_view kept) {
+          ucp_request_param_t p = param;
+          p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+          p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+          return ucp_am_send_nbx(ep, kAmWritePull, kept.data(), header_size,
+                                 kept.data() + header_size,
+                                 kept.size() - header_size, &p);
+        },
+        [this, state](absl::Status status) {
+          loop_->AddBusy(-1);
+          state->Complete(1, status);
+        },
+        std::move(keep));
+  });
+  if (!posted) return absl::UnavailableError("the client is closing");
+  if (!state->WaitUntil(deadline)) {
+    loop_->Post([this, key = address.key()] { ForceCloseAddress(key); });
+    if (!state->WaitUntil(absl::Now() + kCloseGrace)) {
+      return absl::InternalError(
+          "a data-plane send did not complete after closing its connection");
+    }
+    return absl::DeadlineExceededError(
+        "sending a pull request over the data plane passed the call's "
+        "deadline");
+  }
+  std::lock_guard<std::mutex> lock(state->mu);
+  return state->status;
+}
+
 // ------------------------------------------------------------------ read
 
 absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(

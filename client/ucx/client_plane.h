@@ -55,6 +55,9 @@ struct NodeAddress {
   // The node checks read destinations against the region's bounds
   // (DataPlaneInfo.bounded_reads): reads send them.
   bool bounded_reads = false;
+  // The node takes blocks from a client buffer it maps
+  // (DataPlaneInfo.pull_writes).
+  bool pull_writes = false;
   // Connections are kept per node under this key; a node that restarts
   // has a new worker address, so a new key.
   std::string key() const { return listener + "|" + worker; }
@@ -80,6 +83,23 @@ class ClientPlane {
   // node has the bytes) or the first error.
   absl::Status SendBlocks(const NodeAddress& address, uint64_t write_id,
                           const Token& token, absl::Span<const Block> blocks,
+                          absl::Time deadline);
+
+  // Asks the node to take blocks of write `write_id` straight from `region`
+  // (a long-lived buffer, `buffer_id`): one message naming each block's
+  // index and address, all inside the region. Returns when the message is
+  // sent, or the first error; the node then encodes from the region, which
+  // must stay unchanged until the write's commit has answered. Only for
+  // nodes that offer it (NodeAddress::pull_writes); a node that cannot map
+  // the region fails the write with UNIMPLEMENTED.
+  struct PullBlock {
+    uint32_t index;
+    uint64_t address;
+  };
+  absl::Status PullBlocks(const NodeAddress& address, uint64_t write_id,
+                          const Token& token, const MemoryRegion& region,
+                          uint64_t buffer_id,
+                          absl::Span<const PullBlock> blocks,
                           absl::Time deadline);
 
   // Destination memory for a read: registered caller memory, or memory UCX

@@ -149,7 +149,8 @@ absl::Status DataPlane::Listen() {
     for (auto [id, cb] : {std::pair<unsigned, ucp_am_recv_callback_t>{
                               kAmWriteBlock, &DataPlane::OnWriteBlock},
                           {kAmReadStart, &DataPlane::OnReadStart},
-                          {kAmReleaseBuffer, &DataPlane::OnReleaseBuffer}}) {
+                          {kAmReleaseBuffer, &DataPlane::OnReleaseBuffer},
+                          {kAmWritePull, &DataPlane::OnWritePull}}) {
       ucp_am_handler_param_t param;
       std::memset(&param, 0, sizeof(param));
       param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
@@ -249,6 +250,7 @@ DataPlaneStats DataPlane::Stats() const {
   s.connections = connection_count_.load();
   s.rejected_connections = rejected_connections_.load();
   s.buffer_keys = buffer_key_count_.load();
+  s.pulled_blocks = pulled_blocks_.load();
   std::lock_guard<std::mutex> lock(mu_);
   s.write_sessions = static_cast<uint32_t>(writes_.size());
   s.read_sessions = static_cast<uint32_t>(reads_.size());
@@ -398,18 +400,26 @@ std::function<void()> DataPlane::TakeForCommitLocked(uint64_t write_id) {
 }
 
 std::function<void()> DataPlane::StageLocked(
-    std::shared_ptr<WriteSession> session, uint32_t index) {
+    std::shared_ptr<WriteSession> session, uint32_t index,
+    const uint8_t* source, std::shared_ptr<RemoteKey> mapping) {
   ++session->encoding;
-  std::shared_ptr<StagingBuffer> buffer = session->buffers[index];
+  std::shared_ptr<StagingBuffer> buffer;
+  if (source == nullptr) {
+    buffer = session->buffers[index];
+    source = buffer->data();
+  }
   return [this, session = std::move(session), buffer = std::move(buffer),
-          index]() mutable {
-    executor_([this, session, buffer = std::move(buffer), index]() mutable {
-      absl::Status status = store_->StageBlock(
-          session->id, index,
-          absl::MakeConstSpan(buffer->data(), session->block_bytes));
+          mapping = std::move(mapping), source, index]() mutable {
+    executor_([this, session, buffer = std::move(buffer),
+               mapping = std::move(mapping), source, index]() mutable {
+      absl::Status status =
+          store_->StageBlock(session->id, index,
+                             absl::MakeConstSpan(source, session->block_bytes));
       // This task's hold on the staging goes before the commit can
       // answer: a client's next write must find the bytes free.
       buffer.reset();
+      // A remote key is destroyed on the loop thread (the worker's).
+      if (mapping != nullptr) loop_->Post([mapping = std::move(mapping)] {});
       std::function<void()> done_work;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -622,6 +632,155 @@ ucs_status_t DataPlane::OnReadStart(void* arg, const void* header,
   return UCS_OK;
 }
 
+ucs_status_t DataPlane::OnWritePull(void* arg, const void* header,
+                                    size_t header_length, void* data,
+                                    size_t length,
+                                    const ucp_am_recv_param_t* param) noexcept {
+  auto* self = static_cast<DataPlane*>(arg);
+  Connection* conn = self->SenderOf(param);
+  if (conn == nullptr) return UCS_OK;
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    self->CloseConnection(conn->id, "oversized write pull");
+    return UCS_OK;
+  }
+  // Handled in a task, as ReadStart: the reply endpoint of a peer that
+  // connected to the worker address may still be completing its wireup.
+  std::string copy_header(static_cast<const char*>(header), header_length);
+  std::string copy_data(static_cast<const char*>(data), length);
+  const uint64_t conn_id = conn->id;
+  self->loop_->Post(
+      [self, conn_id, h = std::move(copy_header), d = std::move(copy_data)] {
+        auto it = self->connections_.find(conn_id);
+        if (it == self->connections_.end()) return;
+        self->HandleWritePull(it->second.get(), h, d);
+      });
+  return UCS_OK;
+}
+
+void DataPlane::HandleWritePull(Connection* conn, absl::string_view header,
+                                absl::string_view data) {
+  absl::StatusOr<WritePullHeader> h = DecodeWritePull(header);
+  if (!h.ok()) {
+    CloseConnection(conn->id, "malformed write pull");
+    return;
+  }
+  const uint64_t conn_id = conn->id;
+  std::shared_ptr<WriteSession> session;
+  bool close = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = writes_.find(h->write_id);
+    if (it == writes_.end()) {
+      close = !conn->authenticated;  // else an expired write: dropped
+    } else if (!TokenEquals(it->second->token, h->token) ||
+               !BindLocked(&it->second->conn_id, conn_id)) {
+      close = true;
+    } else {
+      conn->authenticated = true;
+      session = it->second;
+    }
+  }
+  if (close) {
+    CloseConnection(conn_id, "write pull without a valid token");
+    return;
+  }
+  if (session == nullptr) return;
+  // From here on a failure fails the write; its commit answers with it.
+  auto fail = [&](absl::Status status) {
+    std::function<void()> work;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (session->error.ok()) session->error = std::move(status);
+      work = TakeForCommitLocked(session->id);
+    }
+    if (work) work();
+  };
+  const uint64_t blocks = h->num_blocks;
+  const uint64_t entries_at = h->rkey_length;
+  const uint64_t worker_at = entries_at + kWritePullEntryBytes * blocks;
+  if (blocks == 0 || blocks > session->slots.size() ||
+      data.size() != worker_at + h->client_address_length) {
+    fail(absl::InvalidArgumentError(
+        absl::StrCat("write pull names ", blocks, " blocks with ", data.size(),
+                     " bytes of keys and addresses")));
+    return;
+  }
+  const uint64_t base = h->region_base, length = h->region_length;
+  if (length > UINT64_MAX - base) {
+    fail(absl::InvalidArgumentError("write region wraps the address space"));
+    return;
+  }
+  struct Pull {
+    uint32_t index;
+    uint64_t address;
+    const uint8_t* source;
+  };
+  std::vector<Pull> pulls(blocks);
+  const uint64_t size = session->block_bytes;
+  for (size_t i = 0; i < blocks; ++i) {
+    const char* entry = data.data() + entries_at + kWritePullEntryBytes * i;
+    pulls[i].index = static_cast<uint32_t>(LoadLe64(entry) & 0xFFFFFFFFu);
+    pulls[i].address = LoadLe64(entry + 4);
+    // A block outside the region would be read from outside the node's
+    // mapping of the client's segment (see ReadStart's bounds).
+    if (pulls[i].address < base || pulls[i].address - base > length ||
+        size > length - (pulls[i].address - base)) {
+      fail(absl::InvalidArgumentError(absl::StrCat(
+          "block ", pulls[i].index, " (", size, " bytes at 0x",
+          absl::Hex(pulls[i].address), ") lies outside the registered region (",
+          length, " bytes at 0x", absl::Hex(base), ")")));
+      return;
+    }
+  }
+  if (absl::Status st = EnsureClientEndpoint(
+          conn, data.substr(worker_at, h->client_address_length));
+      !st.ok()) {
+    fail(st);
+    return;
+  }
+  absl::StatusOr<std::shared_ptr<RemoteKey>> rkey =
+      ClientKey(conn, h->buffer_id, data.substr(0, h->rkey_length));
+  if (!rkey.ok()) {
+    fail(rkey.status());
+    return;
+  }
+  for (Pull& pull : pulls) {
+    void* mapped = nullptr;
+    const ucs_status_t st = ucp_rkey_ptr((*rkey)->get(), pull.address, &mapped);
+    if (st != UCS_OK) {
+      fail(absl::UnimplementedError(
+          absl::StrCat("this node cannot map the client's buffer (",
+                       ucs_status_string(st), "); send it the blocks")));
+      return;
+    }
+    pull.source = static_cast<const uint8_t*>(mapped);
+  }
+  std::vector<std::function<void()>> stages;
+  std::function<void()> work;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Pull& pull : pulls) {
+      if (pull.index >= session->slots.size() ||
+          session->slots[pull.index] != WriteSession::Slot::kAwaiting) {
+        if (session->error.ok()) {
+          session->error = absl::InvalidArgumentError(absl::StrCat(
+              "block ", pull.index,
+              " is outside the write, present already or was sent twice"));
+        }
+        break;
+      }
+      session->slots[pull.index] = WriteSession::Slot::kLanded;
+      --session->awaiting;
+      session->buffers[pull.index].reset();  // its staging is not needed
+      stages.push_back(StageLocked(session, pull.index, pull.source, *rkey));
+      pulled_blocks_.fetch_add(1);
+    }
+    work = TakeForCommitLocked(session->id);
+  }
+  for (auto& stage : stages) stage();
+  if (work) work();
+}
+
 ucs_status_t DataPlane::OnReleaseBuffer(
     void* arg, const void* header, size_t header_length, void* data,
     size_t length, const ucp_am_recv_param_t* param) noexcept {
@@ -645,6 +804,40 @@ ucs_status_t DataPlane::OnReleaseBuffer(
     }
   });
   return UCS_OK;
+}
+
+absl::Status DataPlane::EnsureClientEndpoint(Connection* conn,
+                                             absl::string_view worker_address) {
+  if (!conn->adopted || conn->put_ep != nullptr) return absl::OkStatus();
+  bool peer_errors = false;
+  absl::StatusOr<std::unique_ptr<Endpoint>> put_ep = Endpoint::ConnectToWorker(
+      loop_->worker(), worker_address, &DataPlane::OnEndpointError, this,
+      &peer_errors);
+  if (!put_ep.ok()) return put_ep.status();
+  conn->put_ep = *std::move(put_ep);
+  connection_by_ep_[conn->put_ep->get()] = conn->id;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<RemoteKey>> DataPlane::ClientKey(
+    Connection* conn, uint64_t buffer_id, absl::string_view packed) {
+  auto kept = buffer_id == 0 ? conn->buffer_keys.end()
+                             : conn->buffer_keys.find(buffer_id);
+  if (kept != conn->buffer_keys.end() && kept->second.packed == packed) {
+    // A long-lived buffer's key: unpacking it again would map the client's
+    // segment again (on shared memory, a fault per page touched).
+    return kept->second.key;
+  }
+  absl::StatusOr<std::unique_ptr<RemoteKey>> unpacked =
+      RemoteKey::Unpack(conn->out(), packed);
+  if (!unpacked.ok()) return unpacked.status();
+  std::shared_ptr<RemoteKey> key = *std::move(unpacked);
+  if (buffer_id != 0 && (kept != conn->buffer_keys.end() ||
+                         conn->buffer_keys.size() < kMaxBufferKeys)) {
+    if (kept == conn->buffer_keys.end()) buffer_key_count_.fetch_add(1);
+    conn->buffer_keys[buffer_id] = {std::string(packed), key};
+  }
+  return key;
 }
 
 void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
@@ -727,40 +920,19 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
       }
     }
   }
-  if (conn->adopted && conn->put_ep == nullptr) {
-    bool peer_errors = false;
-    absl::StatusOr<std::unique_ptr<Endpoint>> put_ep =
-        Endpoint::ConnectToWorker(
-            loop_->worker(), data.substr(worker_at, h->client_address_length),
-            &DataPlane::OnEndpointError, this, &peer_errors);
-    if (!put_ep.ok()) {
-      FinishRead(session, put_ep.status());
-      return;
-    }
-    conn->put_ep = *std::move(put_ep);
-    connection_by_ep_[conn->put_ep->get()] = conn->id;
+  if (absl::Status st = EnsureClientEndpoint(
+          conn, data.substr(worker_at, h->client_address_length));
+      !st.ok()) {
+    FinishRead(session, st);
+    return;
   }
-  const absl::string_view packed = data.substr(0, h->rkey_length);
-  auto kept = h->buffer_id == 0 ? conn->buffer_keys.end()
-                                : conn->buffer_keys.find(h->buffer_id);
-  if (kept != conn->buffer_keys.end() && kept->second.packed == packed) {
-    // A long-lived buffer's key: unpacking it again would map the client's
-    // segment again (on shared memory, a fault per page touched).
-    session->rkey = kept->second.key;
-  } else {
-    absl::StatusOr<std::unique_ptr<RemoteKey>> rkey =
-        RemoteKey::Unpack(conn->out(), packed);
-    if (!rkey.ok()) {
-      FinishRead(session, rkey.status());
-      return;
-    }
-    session->rkey = *std::move(rkey);
-    if (h->buffer_id != 0 && (kept != conn->buffer_keys.end() ||
-                              conn->buffer_keys.size() < kMaxBufferKeys)) {
-      if (kept == conn->buffer_keys.end()) buffer_key_count_.fetch_add(1);
-      conn->buffer_keys[h->buffer_id] = {std::string(packed), session->rkey};
-    }
+  absl::StatusOr<std::shared_ptr<RemoteKey>> rkey =
+      ClientKey(conn, h->buffer_id, data.substr(0, h->rkey_length));
+  if (!rkey.ok()) {
+    FinishRead(session, rkey.status());
+    return;
   }
+  session->rkey = *std::move(rkey);
   StartPuts(session, conn, std::move(remote),
             (h->flags & kReadFlagPerLayer) != 0);
 }

@@ -103,6 +103,9 @@ struct DataPlaneStats {
   uint32_t read_sessions = 0;
   uint64_t rejected_connections = 0;
   uint32_t buffer_keys = 0;  // kept for clients' long-lived buffers
+  // Blocks encoded straight from a client buffer the node mapped
+  // (kAmWritePull), since the start.
+  uint64_t pulled_blocks = 0;
 };
 
 class DataPlane {
@@ -190,6 +193,10 @@ class DataPlane {
                                    size_t header_length, void* data,
                                    size_t length,
                                    const ucp_am_recv_param_t* param) noexcept;
+  static ucs_status_t OnWritePull(void* arg, const void* header,
+                                  size_t header_length, void* data,
+                                  size_t length,
+                                  const ucp_am_recv_param_t* param) noexcept;
   static ucs_status_t OnReleaseBuffer(
       void* arg, const void* header, size_t header_length, void* data,
       size_t length, const ucp_am_recv_param_t* param) noexcept;
@@ -207,8 +214,18 @@ class DataPlane {
   void CloseConnection(uint64_t conn_id, const char* why);
   void HandleWriteBlock(Connection* conn, absl::string_view header, void* data,
                         size_t length, bool rendezvous);
+  void HandleWritePull(Connection* conn, absl::string_view header,
+                       absl::string_view data);
   void HandleReadStart(Connection* conn, absl::string_view header,
                        absl::string_view data);
+  // A connection adopted from the node's worker address gets an endpoint of
+  // the node's own to the client's worker for RMA (and remote keys).
+  absl::Status EnsureClientEndpoint(Connection* conn,
+                                    absl::string_view worker_address);
+  // The unpacked remote key of a client region; a long-lived buffer's
+  // (buffer_id != 0) is kept on the connection and reused.
+  absl::StatusOr<std::shared_ptr<RemoteKey>> ClientKey(
+      Connection* conn, uint64_t buffer_id, absl::string_view packed);
   void StartPuts(const std::shared_ptr<ReadSession>& session, Connection* conn,
                  std::vector<uint64_t> remote, bool per_layer);
   void FinishRead(const std::shared_ptr<ReadSession>& session,
@@ -226,10 +243,15 @@ class DataPlane {
   std::function<void()> TakeForCommitLocked(uint64_t write_id);
   // Block `index` of `session` has landed: returns the work that encodes it
   // into the store's reserved pages on the worker pool (Store::StageBlock),
-  // so that encoding overlaps the transfer of the blocks after it. Requires
-  // mu_; run the returned work after releasing it.
-  std::function<void()> StageLocked(std::shared_ptr<WriteSession> session,
-                                    uint32_t index);
+  // so that encoding overlaps the transfer of the blocks after it. Its bytes
+  // are the slot's staging buffer, or `source` for a pulled block (in the
+  // node's mapping of a client buffer, which `mapping` keeps alive; the
+  // last reference to it is dropped on the loop thread). Requires mu_; run
+  // the returned work after releasing it.
+  std::function<void()> StageLocked(
+      std::shared_ptr<WriteSession> session, uint32_t index,
+      const uint8_t* source = nullptr,
+      std::shared_ptr<RemoteKey> mapping = nullptr);
   // Binds a session to `conn_id` or checks that it is bound to it.
   static bool BindLocked(uint64_t* session_conn, uint64_t conn_id);
   void DropConnectionSessions(uint64_t conn_id);
@@ -258,6 +280,7 @@ class DataPlane {
   bool stopped_ = false;                                // guarded by mu_
   std::atomic<uint32_t> connection_count_{0};
   std::atomic<uint32_t> buffer_key_count_{0};
+  std::atomic<uint64_t> pulled_blocks_{0};
   std::atomic<uint64_t> rejected_connections_{0};
 };
 

@@ -64,6 +64,8 @@ constexpr size_t kPrefixBytes = 8;
 constexpr size_t kWriteBlockBytes = kPrefixBytes + 8 + 16 + 4 + 8;
 constexpr size_t kReadStartBytes = kPrefixBytes + 8 + 16 + 4 + 4 + 4 + 1 + 8;
 constexpr size_t kReleaseBufferBytes = kPrefixBytes + 8;
+constexpr size_t kWritePullBytes =
+    kPrefixBytes + 8 + 16 + 4 + 4 + 4 + 8 + 8 + 8;
 constexpr size_t kReadStatusBytes = kPrefixBytes + 8 + 16 + 4 + 4 + 4;
 
 absl::Status CheckPrefix(absl::string_view bytes, size_t want, unsigned kind,
@@ -129,6 +131,19 @@ std::string Encode(const WriteBlockHeader& h) {
   return w.Take();
 }
 
+std::string Encode(const WritePullHeader& h) {
+  Writer w(kAmWritePull);
+  w.U64(h.write_id);
+  w.Bytes(h.token);
+  w.U32(h.num_blocks);
+  w.U32(h.rkey_length);
+  w.U32(h.client_address_length);
+  w.U64(h.buffer_id);
+  w.U64(h.region_base);
+  w.U64(h.region_length);
+  return w.Take();
+}
+
 std::string Encode(const ReadStartHeader& h) {
   Writer w(kAmReadStart);
   w.U64(h.read_id);
@@ -168,6 +183,24 @@ absl::StatusOr<WriteBlockHeader> DecodeWriteBlock(absl::string_view bytes) {
   r.Bytes(&h.token);
   h.index = r.U32();
   h.length = r.U64();
+  return h;
+}
+
+absl::StatusOr<WritePullHeader> DecodeWritePull(absl::string_view bytes) {
+  Reader r(bytes);
+  if (absl::Status s = CheckPrefix(bytes, kWritePullBytes, kAmWritePull, &r);
+      !s.ok()) {
+    return s;
+  }
+  WritePullHeader h;
+  h.write_id = r.U64();
+  r.Bytes(&h.token);
+  h.num_blocks = r.U32();
+  h.rkey_length = r.U32();
+  h.client_address_length = r.U32();
+  h.buffer_id = r.U64();
+  h.region_base = r.U64();
+  h.region_length = r.U64();
   return h;
 }
 

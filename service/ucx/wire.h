@@ -18,6 +18,18 @@
 //                  to nodes that offer DataPlaneInfo.bounded_reads), the
 //                  region's base address and length (u64 each): the node
 //                  refuses a destination outside them.
+//   kAmWritePull   client -> node  header WritePullHeader, data = the packed
+//                  remote key of a long-lived client buffer (a DataBuffer)
+//                  holding fp16 blocks of write `write_id`, then per block
+//                  its index (u32) and address (u64), then the client's own
+//                  worker address; little-endian. Sent instead of one
+//                  kAmWriteBlock per block to nodes that offer it
+//                  (DataPlaneInfo.pull_writes): the node maps the buffer
+//                  (ucp_rkey_ptr: shared memory) and encodes each block
+//                  straight from it, so UCX copies nothing. Every block must
+//                  lie inside [region_base, region_base + region_length). A
+//                  node that cannot map the buffer fails the write with
+//                  UNIMPLEMENTED; the client then sends that node blocks.
 //   kAmReleaseBuffer client -> node  header ReleaseBufferHeader: the client
 //                  freed its long-lived buffer `buffer_id`; the node drops
 //                  the remote key it kept for it on this connection.
@@ -50,6 +62,7 @@ inline constexpr unsigned kAmWriteBlock = 0x4b01;
 inline constexpr unsigned kAmReadStart = 0x4b02;
 inline constexpr unsigned kAmReadStatus = 0x4b03;
 inline constexpr unsigned kAmReleaseBuffer = 0x4b04;
+inline constexpr unsigned kAmWritePull = 0x4b05;
 
 inline constexpr uint32_t kWireMagic = 0x5855564b;  // "KVUX"
 inline constexpr uint8_t kWireVersion = 2;
@@ -70,6 +83,21 @@ struct WriteBlockHeader {
   uint32_t index = 0;
   uint64_t length = 0;  // bytes of data that follow
 };
+
+struct WritePullHeader {
+  uint64_t write_id = 0;
+  Token token{};
+  uint32_t num_blocks = 0;
+  uint32_t rkey_length = 0;
+  uint32_t client_address_length = 0;
+  // The buffer's id (unique within the client process): the node may keep
+  // its unpacked key on this connection, as for reads.
+  uint64_t buffer_id = 0;
+  uint64_t region_base = 0;
+  uint64_t region_length = 0;
+};
+// Bytes per block after the key in a kAmWritePull message.
+inline constexpr size_t kWritePullEntryBytes = 12;
 
 struct ReadStartHeader {
   uint64_t read_id = 0;
@@ -106,11 +134,13 @@ struct ReadStatusHeader {
 };
 
 std::string Encode(const WriteBlockHeader& h);
+std::string Encode(const WritePullHeader& h);
 std::string Encode(const ReadStartHeader& h);
 std::string Encode(const ReadStatusHeader& h);
 std::string Encode(const ReleaseBufferHeader& h);
 // INVALID_ARGUMENT for a header of the wrong size, magic or version.
 absl::StatusOr<WriteBlockHeader> DecodeWriteBlock(absl::string_view bytes);
+absl::StatusOr<WritePullHeader> DecodeWritePull(absl::string_view bytes);
 absl::StatusOr<ReadStartHeader> DecodeReadStart(absl::string_view bytes);
 absl::StatusOr<ReadStatusHeader> DecodeReadStatus(absl::string_view bytes);
 absl::StatusOr<ReleaseBufferHeader> DecodeReleaseBuffer(
