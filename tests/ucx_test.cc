@@ -704,6 +704,30 @@ TEST_P(UcxTest, PutsFromADataBufferArePulledWhereTheNodeCanMapThem) {
           << CodecName(codec) << " block " << i;
     }
   }
+  // A pulled block the node refuses (an infinity: INVALID_ARGUMENT from the
+  // encoder) fails the Put, which returns only once the node has dropped
+  // the write; nothing is left behind and the buffer can be used again.
+  {
+    ASSERT_TRUE(
+        client_->RegisterNamespace(Spec("pull-bad", Codec::kFp8E4M3, shape))
+            .ok());
+    auto buffer = client_->AllocateBuffer(stride);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    std::vector<uint16_t> block = RandomBlock(shape, 300);
+    block[17] = 0x7C00;  // +inf
+    std::memcpy((*buffer)->data(), block.data(), stride);
+    const auto fp16 = absl::MakeConstSpan(
+        reinterpret_cast<const uint16_t*>((*buffer)->data()), stride / 2);
+    auto put = client_->Put("pull-bad", {{Key(300), "", fp16}});
+    EXPECT_EQ(put.status().code(), absl::StatusCode::kInvalidArgument)
+        << put.status();
+    ExpectNothingHeld(absl::Seconds(10));
+    block[17] = 0;
+    std::memcpy((*buffer)->data(), block.data(), stride);
+    put = client_->Put("pull-bad", {{Key(300), "", fp16}});
+    ASSERT_TRUE(put.ok()) << put.status();
+    EXPECT_EQ(put->stored, 1u);
+  }
   ExpectNothingHeld(absl::Seconds(10));
 }
 
