@@ -296,7 +296,10 @@ class Client {
   // Stores whole blocks (all-or-nothing per node round trip). Blocks the
   // node holds already cost no transfer. Returns only once nothing reads
   // `blocks` any more, also when it fails (DEADLINE_EXCEEDED, CANCELLED: a
-  // round trip cut short may or may not have stored its blocks).
+  // round trip cut short may or may not have stored its blocks). Blocks in
+  // one DataBuffer may be read by the node straight from it (shared
+  // memory): then a Put cut short waits, up to 5 s past its deadline, for
+  // the node to confirm it stopped, and returns INTERNAL if it cannot.
   absl::StatusOr<PutResult> Put(const std::string& ns,
                                 absl::Span<const BlockWrite> blocks,
                                 const CallOptions& call = {});
