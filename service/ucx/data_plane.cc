@@ -418,7 +418,9 @@ std::function<void()> DataPlane::StageLocked(
       // This task's hold on the staging goes before the commit can
       // answer: a client's next write must find the bytes free.
       buffer.reset();
-      // A remote key is destroyed on the loop thread (the worker's).
+      // A remote key is destroyed on the loop thread (the worker's); once
+      // the loop has stopped nothing else uses the worker, and a refused
+      // task drops it here.
       if (mapping != nullptr) loop_->Post([mapping = std::move(mapping)] {});
       std::function<void()> done_work;
       {
