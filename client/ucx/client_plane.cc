@@ -375,24 +375,12 @@ absl::Status ClientPlane::PullBlocks(const NodeAddress& address,
       state->Complete(1, conn.status());
       return;
     }
-    const ucp_ep_h ep = (*conn)->ep->get();
     loop_->AddBusy(1);
-    Operation::Start(
-        Operation::Kind::kSend,
-        [ep, header_size](const ucp_request_param_t& param,
-                          absl::string_view kept) {
-          ucp_request_param_t p = param;
-          p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-          p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-          return ucp_am_send_nbx(ep, kAmWritePull, kept.data(), header_size,
-                                 kept.data() + header_size,
-                                 kept.size() - header_size, &p);
-        },
-        [this, state](absl::Status status) {
-          loop_->AddBusy(-1);
-          state->Complete(1, status);
-        },
-        std::move(keep));
+    SendEagerAm((*conn)->ep->get(), kAmWritePull, std::move(keep), header_size,
+                [this, state](absl::Status status) {
+                  loop_->AddBusy(-1);
+                  state->Complete(1, status);
+                });
   });
   if (!posted) return absl::UnavailableError("the client is closing");
   if (!state->WaitUntil(deadline)) {
@@ -460,22 +448,10 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
     (*conn)->reads[token_bytes] = state;
     read_connection_[token_bytes] = address.key();
     loop_->AddBusy(1);  // until the read ends: the node's puts need progress
-    const ucp_ep_h ep = (*conn)->ep->get();
-    Operation::Start(
-        Operation::Kind::kSend,
-        [ep, header_size](const ucp_request_param_t& param,
-                          absl::string_view kept) {
-          ucp_request_param_t p = param;
-          p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-          p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-          return ucp_am_send_nbx(ep, kAmReadStart, kept.data(), header_size,
-                                 kept.data() + header_size,
-                                 kept.size() - header_size, &p);
-        },
-        [this, token_bytes](absl::Status status) {
-          if (!status.ok()) EndRead(token_bytes, 0, status);
-        },
-        std::move(keep));
+    SendEagerAm((*conn)->ep->get(), kAmReadStart, std::move(keep), header_size,
+                [this, token_bytes](absl::Status status) {
+                  if (!status.ok()) EndRead(token_bytes, 0, status);
+                });
   });
   if (!posted) return absl::UnavailableError("the client is closing");
   return absl::WrapUnique(new Read(this, address.key(), std::move(state),
@@ -487,18 +463,9 @@ void ClientPlane::ReleaseBuffer(uint64_t buffer_id) {
   h.buffer_id = buffer_id;
   loop_->Post([this, header = Encode(h)]() mutable {
     for (auto& [key, conn] : connections_) {
-      const ucp_ep_h ep = conn->ep->get();
       loop_->AddBusy(1);
-      Operation::Start(
-          Operation::Kind::kSend,
-          [ep](const ucp_request_param_t& param, absl::string_view kept) {
-            ucp_request_param_t p = param;
-            p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-            p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-            return ucp_am_send_nbx(ep, kAmReleaseBuffer, kept.data(),
-                                   kept.size(), nullptr, 0, &p);
-          },
-          [this](absl::Status) { loop_->AddBusy(-1); }, header);
+      SendEagerAm(conn->ep->get(), kAmReleaseBuffer, header, header.size(),
+                  [this](absl::Status) { loop_->AddBusy(-1); });
     }
   });
 }

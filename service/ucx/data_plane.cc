@@ -611,51 +611,44 @@ ucs_status_t DataPlane::OnReadStart(void* arg, const void* header,
                                     size_t header_length, void* data,
                                     size_t length,
                                     const ucp_am_recv_param_t* param) noexcept {
-  auto* self = static_cast<DataPlane*>(arg);
-  Connection* conn = self->SenderOf(param);
-  if (conn == nullptr) return UCS_OK;
-  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-    // A read request is a few hundred bytes; a rendezvous one is abuse.
-    self->CloseConnection(conn->id, "oversized read request");
-    return UCS_OK;
-  }
-  // Puts are issued from a task, not from inside this callback: the reply
-  // endpoint of a peer that connected to the worker address may still be
-  // completing its wireup here.
-  std::string copy_header(static_cast<const char*>(header), header_length);
-  std::string copy_data(static_cast<const char*>(data), length);
-  const uint64_t conn_id = conn->id;
-  self->loop_->Post(
-      [self, conn_id, h = std::move(copy_header), d = std::move(copy_data)] {
-        auto it = self->connections_.find(conn_id);
-        if (it == self->connections_.end()) return;
-        self->HandleReadStart(it->second.get(), h, d);
-      });
-  return UCS_OK;
+  return static_cast<DataPlane*>(arg)->PostRequest(
+      header, header_length, data, length, param, "oversized read request",
+      &DataPlane::HandleReadStart);
 }
 
 ucs_status_t DataPlane::OnWritePull(void* arg, const void* header,
                                     size_t header_length, void* data,
                                     size_t length,
                                     const ucp_am_recv_param_t* param) noexcept {
-  auto* self = static_cast<DataPlane*>(arg);
-  Connection* conn = self->SenderOf(param);
+  return static_cast<DataPlane*>(arg)->PostRequest(
+      header, header_length, data, length, param, "oversized write pull",
+      &DataPlane::HandleWritePull);
+}
+
+ucs_status_t DataPlane::PostRequest(const void* header, size_t header_length,
+                                    const void* data, size_t length,
+                                    const ucp_am_recv_param_t* param,
+                                    const char* oversized,
+                                    RequestHandler handle) {
+  Connection* conn = SenderOf(param);
   if (conn == nullptr) return UCS_OK;
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-    self->CloseConnection(conn->id, "oversized write pull");
+    // A request is a few hundred bytes; a rendezvous one is abuse.
+    CloseConnection(conn->id, oversized);
     return UCS_OK;
   }
-  // Handled in a task, as ReadStart: the reply endpoint of a peer that
-  // connected to the worker address may still be completing its wireup.
+  // Handled in a task, not inside this callback: the reply endpoint of a
+  // peer that connected to the worker address may still be completing its
+  // wireup here.
   std::string copy_header(static_cast<const char*>(header), header_length);
   std::string copy_data(static_cast<const char*>(data), length);
   const uint64_t conn_id = conn->id;
-  self->loop_->Post(
-      [self, conn_id, h = std::move(copy_header), d = std::move(copy_data)] {
-        auto it = self->connections_.find(conn_id);
-        if (it == self->connections_.end()) return;
-        self->HandleWritePull(it->second.get(), h, d);
-      });
+  loop_->Post([this, conn_id, handle, h = std::move(copy_header),
+               d = std::move(copy_data)] {
+    auto it = connections_.find(conn_id);
+    if (it == connections_.end()) return;
+    (this->*handle)(it->second.get(), h, d);
+  });
   return UCS_OK;
 }
 
@@ -1045,18 +1038,8 @@ void DataPlane::SendReadStatus(uint64_t conn_id, uint64_t read_id,
   // Header and message live in the operation until it completes.
   std::string keep = absl::StrCat(header, status.message());
   loop_->AddBusy(1);
-  Operation::Start(
-      Operation::Kind::kSend,
-      [ep, header_size](const ucp_request_param_t& param,
-                        absl::string_view kept) {
-        ucp_request_param_t p = param;
-        p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-        p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-        return ucp_am_send_nbx(ep, kAmReadStatus, kept.data(), header_size,
-                               kept.data() + header_size,
-                               kept.size() - header_size, &p);
-      },
-      [this](absl::Status) { loop_->AddBusy(-1); }, std::move(keep));
+  SendEagerAm(ep, kAmReadStatus, std::move(keep), header_size,
+              [this](absl::Status) { loop_->AddBusy(-1); });
 }
 
 void DataPlane::FinishRead(const std::shared_ptr<ReadSession>& session,

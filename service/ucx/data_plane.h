@@ -214,6 +214,14 @@ class DataPlane {
   void CloseConnection(uint64_t conn_id, const char* why);
   void HandleWriteBlock(Connection* conn, absl::string_view header, void* data,
                         size_t length, bool rendezvous);
+  // A request message (ReadStart, WritePull): refused when it came by
+  // rendezvous, else copied and handed to `handle` in a loop task.
+  using RequestHandler = void (DataPlane::*)(Connection*, absl::string_view,
+                                             absl::string_view);
+  ucs_status_t PostRequest(const void* header, size_t header_length,
+                           const void* data, size_t length,
+                           const ucp_am_recv_param_t* param,
+                           const char* oversized, RequestHandler handle);
   void HandleWritePull(Connection* conn, absl::string_view header,
                        absl::string_view data);
   void HandleReadStart(Connection* conn, absl::string_view header,

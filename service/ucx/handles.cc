@@ -443,4 +443,20 @@ void Operation::Finish(void* request, ucs_status_t status,
   finished(UcxStatus(status, "ucx operation"));
 }
 
+void SendEagerAm(ucp_ep_h ep, unsigned am_id, std::string message,
+                 size_t header_size, Done done) {
+  Operation::Start(
+      Operation::Kind::kSend,
+      [ep, am_id, header_size](const ucp_request_param_t& param,
+                               absl::string_view kept) {
+        ucp_request_param_t p = param;
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+        return ucp_am_send_nbx(ep, am_id, kept.data(), header_size,
+                               kept.data() + header_size,
+                               kept.size() - header_size, &p);
+      },
+      std::move(done), std::move(message));
+}
+
 }  // namespace kvcache::ucx

@@ -224,6 +224,14 @@ class Operation {
   std::string keep_;
 };
 
+// Sends `message` (its first `header_size` bytes are the AM header, the
+// rest the data) as one eager active message `am_id` on `ep`, naming this
+// worker as its sender (UCP_AM_SEND_FLAG_REPLY, so that the peer knows the
+// connection). The operation keeps `message` until it completes; `done`
+// runs then, on the worker's thread.
+void SendEagerAm(ucp_ep_h ep, unsigned am_id, std::string message,
+                 size_t header_size, Done done);
+
 }  // namespace kvcache::ucx
 
 #endif  // KVCACHE_SERVICE_UCX_HANDLES_H_
