@@ -7,6 +7,7 @@
 #include <future>
 #include <utility>
 
+#include "absl/functional/function_ref.h"
 #include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -50,6 +51,24 @@ struct SendState {
     return cv.wait_until(lock, Chrono(deadline), [&] { return pending == 0; });
   }
 };
+
+// Waits for sends until `deadline`; past it, calls `force_close` (which
+// fails whatever is in flight) and waits, bounded, for the sends to end, so
+// that no send touches the caller's bytes after this returns.
+absl::Status WaitForSends(SendState& state, absl::Time deadline,
+                          absl::FunctionRef<void()> force_close) {
+  if (!state.WaitUntil(deadline)) {
+    force_close();
+    if (!state.WaitUntil(absl::Now() + kCloseGrace)) {
+      return absl::InternalError(
+          "data-plane sends did not complete after closing their connection");
+    }
+    return absl::DeadlineExceededError(
+        "sending over the data plane passed the call's deadline");
+  }
+  std::lock_guard<std::mutex> lock(state.mu);
+  return state.status;
+}
 
 // A CancelToken callback, removed when the wait that added it ends.
 class CancelHook {
@@ -321,19 +340,9 @@ absl::Status ClientPlane::SendBlocks(const NodeAddress& address,
         }
       });
   if (!posted) return absl::UnavailableError("the client is closing");
-  if (!state->WaitUntil(deadline)) {
-    // Fail whatever is in flight; the caller's bytes must not be touched
-    // after we return.
-    loop_->Post([this, key = address.key()] { ForceCloseAddress(key); });
-    if (!state->WaitUntil(absl::Now() + kCloseGrace)) {
-      return absl::InternalError(
-          "data-plane sends did not complete after closing their connection");
-    }
-    return absl::DeadlineExceededError(
-        "sending blocks over the data plane passed the call's deadline");
-  }
-  std::lock_guard<std::mutex> lock(state->mu);
-  return state->status;
+  return WaitForSends(*state, deadline, [this, key = address.key()] {
+    loop_->Post([this, key] { ForceCloseAddress(key); });
+  });
 }
 
 absl::Status ClientPlane::PullBlocks(const NodeAddress& address,
@@ -383,18 +392,9 @@ absl::Status ClientPlane::PullBlocks(const NodeAddress& address,
                 });
   });
   if (!posted) return absl::UnavailableError("the client is closing");
-  if (!state->WaitUntil(deadline)) {
-    loop_->Post([this, key = address.key()] { ForceCloseAddress(key); });
-    if (!state->WaitUntil(absl::Now() + kCloseGrace)) {
-      return absl::InternalError(
-          "a data-plane send did not complete after closing its connection");
-    }
-    return absl::DeadlineExceededError(
-        "sending a pull request over the data plane passed the call's "
-        "deadline");
-  }
-  std::lock_guard<std::mutex> lock(state->mu);
-  return state->status;
+  return WaitForSends(*state, deadline, [this, key = address.key()] {
+    loop_->Post([this, key] { ForceCloseAddress(key); });
+  });
 }
 
 // ------------------------------------------------------------------ read
