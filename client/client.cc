@@ -334,9 +334,6 @@ struct Client::Impl {
     return st;
   }
 
-  // Best-effort cleanup RPCs: sent without waiting for the answer (the node
-  // ends the lease at its TTL anyway), so a call never outlives its
-  // deadline for them.
   // For a write whose blocks the node pulls from this client's memory: ends
   // the write and returns once the node confirms that it no longer reads
   // them (its AbortWrite succeeds, or finds the write gone: committed or
@@ -366,6 +363,9 @@ struct Client::Impl {
     }
   }
 
+  // Best-effort cleanup RPCs: sent without waiting for the answer (the node
+  // ends the lease at its TTL anyway), so a call never outlives its
+  // deadline for them.
   void AbortWriteAsync(uint64_t write_id) {
     v1::AbortWriteRequest request;
     request.set_write_id(write_id);
