@@ -6,8 +6,8 @@
 // proven equal to IEEE division for every input the codecs give it (see
 // DivideRn); fp32 -> fp16 and fp32 -> fp8 rounding to nearest even with
 // integer operations, F16C or exact fp32 additions (see F32ToHalf and
-// Fp8FromF32). On AVX-512, fp8 encoding reads most codes from per-head
-// tables built from exact quotients (see "FP8 by table").
+// Fp8FromF32). On AVX-512 and AVX2, fp8 encoding reads most codes from
+// per-head tables built from exact quotients (see "FP8 by table").
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -403,7 +403,7 @@ HWY_INLINE void EncodeFp8Exact(const uint16_t* in, size_t n, float scale,
   for (; j < n; ++j) dst[j] = Fp8Scalar<kCodec>(HalfToFloat(in[j]) / scale);
 }
 
-// ---- FP8 by table (AVX-512BW) ----------------------------------------------
+// ---- FP8 by table (AVX-512BW, AVX2) ----------------------------------------
 //
 // For a head whose scale s is a normal fp32 number, the code of a normal fp16
 // x = 2^(e-15) * (1 + m/1024) (e = exponent field, m = mantissa field) whose
@@ -422,7 +422,8 @@ HWY_INLINE void EncodeFp8Exact(const uint16_t* in, size_t n, float scale,
 // threshold, so
 //     code(x) = ((|x| + offset[b]) >> (10 - kManBits)) + base[b]
 // with no carry out of the mantissa field; base folds into the offset (see
-// Fp8HeadTable): one 32-entry table of 16-bit lanes, one vpermw. The tables
+// Fp8HeadTable): one 32-entry table of 16-bit lanes, one vpermw (on AVX2,
+// four vpshufb on its bytes). The tables
 // come from 64 reference quotients (true IEEE divisions) and a 5-step bisection
 // per bucket; they depend on the scale's significand alone up to a constant,
 // and are cached per thread.
@@ -436,7 +437,7 @@ HWY_INLINE void EncodeFp8Exact(const uint16_t* in, size_t n, float scale,
 // grids.
 // kernels/codec_simd_test.cc checks every finite fp16 value against the
 // reference over a spread of scales.
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
 #define KVCACHE_FP8_TABLE 1
 
 // offset[b] + (base[b] << kShift), mod 2^16: adding a multiple of
@@ -446,6 +447,12 @@ HWY_INLINE void EncodeFp8Exact(const uint16_t* in, size_t n, float scale,
 struct Fp8HeadTable {
   alignas(64) uint16_t folded[32];
   uint16_t safe = 0;  // smallest |x| bits (>= 0x400) the identity covers
+#if HWY_TARGET == HWY_AVX2
+  // AVX2 has no 16-bit lane permute: `folded` as four 16-entry byte tables
+  // for vpshufb (low bytes of entries 0-15, of 16-31, high bytes of 0-15,
+  // of 16-31), each in both 128-bit lanes.
+  alignas(32) uint8_t shuffle[4][32];
+#endif
 };
 
 // Codes (7 bits, positive) of RN(4(1 + m/1024) / sm) for 32 values of m.
@@ -475,16 +482,16 @@ void BuildFp8SignificandTable(uint32_t significand,
   constexpr int kManBits = kCodec == Codec::kFp8E4M3 ? 3 : 2;
   constexpr uint32_t kShift = 10 - kManBits;
   constexpr uint32_t K = 1u << kManBits;
-  const hn::ScalableTag<uint32_t> du;  // 16 lanes on AVX-512
+  const hn::ScalableTag<uint32_t> du;  // 16 lanes on AVX-512, 8 on AVX2
   const hn::RebindToFloat<decltype(du)> df;
   const hn::Rebind<uint16_t, decltype(du)> d16;
-  static_assert(HWY_MAX_BYTES == 64, "two vectors of 16 buckets");
+  const uint32_t N = static_cast<uint32_t>(hn::Lanes(du));
   const auto sm = hn::Set(df, FloatFromBits(significand | 0x3F800000u));
   table.key = significand | 0x80000000u;
   table.usable = true;
-  for (uint32_t half = 0; half < 2; ++half) {
+  for (uint32_t bucket = 0; bucket < 32; bucket += N) {
     const auto first =
-        hn::ShiftLeft<5>(hn::Add(hn::Iota(du, 0), hn::Set(du, 16 * half)));
+        hn::ShiftLeft<5>(hn::Add(hn::Iota(du, 0), hn::Set(du, bucket)));
     auto lo = first;
     auto hi = hn::Add(first, hn::Set(du, 31));
     const auto c_lo = ReferenceQuotientCodes<kCodec>(du, lo, sm);
@@ -509,8 +516,8 @@ void BuildFp8SignificandTable(uint32_t significand,
                                       hn::Set(du, 512u >> kShift));
     // 16-bit wrap-around arithmetic; codes are in [0, 127].
     const auto base = hn::Sub(hn::Sub(c_lo, hn::Set(du, 17 * K)), below);
-    hn::Store(hn::TruncateTo(d16, offset), d16, table.offset + 16 * half);
-    hn::Store(hn::TruncateTo(d16, base), d16, table.base + 16 * half);
+    hn::StoreU(hn::TruncateTo(d16, offset), d16, table.offset + bucket);
+    hn::StoreU(hn::TruncateTo(d16, base), d16, table.base + bucket);
   }
 }
 
@@ -567,9 +574,20 @@ bool BuildFp8HeadTable(float scale, Fp8HeadTable& table) {
   while (e_min <= 30 && K * e_min + g0 < K) ++e_min;
   if (e_min > 30) return false;
   table.safe = static_cast<uint16_t>(e_min << 10);
+#if HWY_TARGET == HWY_AVX2
+  for (int k = 0; k < 16; ++k) {
+    for (int lane = 0; lane < 2; ++lane) {
+      table.shuffle[0][16 * lane + k] = table.folded[k] & 0xFF;
+      table.shuffle[1][16 * lane + k] = table.folded[16 + k] & 0xFF;
+      table.shuffle[2][16 * lane + k] = table.folded[k] >> 8;
+      table.shuffle[3][16 * lane + k] = table.folded[16 + k] >> 8;
+    }
+  }
+#endif
   return true;
 }
 
+#if HWY_TARGET <= HWY_AVX3
 // Codes of a head's row by the table. The values it does not cover
 // (0 < |x| < safe, rare: quotients near fp8's subnormal range) are then
 // recoded one by one with the scalar reference conversion.
@@ -640,9 +658,105 @@ HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
     }
   }
 }
+#else   // AVX2
+// As the AVX-512 version, 16 values per vector; the table lookup is four
+// vpshufb (the low and high bytes of entries 0-15 and 16-31) and blends.
+template <Codec kCodec>
+HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
+                                    const Fp8HeadTable& table, float scale,
+                                    uint8_t* dst) {
+  constexpr int kShift = kCodec == Codec::kFp8E4M3 ? 7 : 8;
+  constexpr uint16_t kMaxCode = kCodec == Codec::kFp8E4M3 ? 0x7E : 0x7B;
+  const auto load = [](const void* p) {
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+  };
+  const __m256i low0 = load(table.shuffle[0]), low1 = load(table.shuffle[1]);
+  const __m256i high0 = load(table.shuffle[2]), high1 = load(table.shuffle[3]);
+  const __m256i magnitude = _mm256_set1_epi16(0x7FFF);
+  const __m256i bucket_mask = _mm256_set1_epi16(31);
+  const __m256i odd_bytes = _mm256_set1_epi16(static_cast<short>(0xFF00));
+  const __m256i max_code = _mm256_set1_epi16(kMaxCode);
+  const __m256i sign_bit = _mm256_set1_epi16(0x80);
+  const __m256i zero = _mm256_setzero_si256();
+  // Smallest nonzero |x| of the row (zeros count as 0xFFFF).
+  __m256i least = _mm256_set1_epi16(-1);
+  const auto codes = [&](__m256i x) {
+    const __m256i a = _mm256_and_si256(x, magnitude);
+    const __m256i bucket =
+        _mm256_and_si256(_mm256_srli_epi16(a, 5), bucket_mask);
+    // The bucket in both bytes of its lane; bit 4 (entries 16-31) moved to
+    // bit 7 of each byte for the blends.
+    const __m256i index = _mm256_or_si256(bucket, _mm256_slli_epi16(bucket, 8));
+    const __m256i upper = _mm256_slli_epi16(index, 3);
+    const __m256i low =
+        _mm256_blendv_epi8(_mm256_shuffle_epi8(low0, index),
+                           _mm256_shuffle_epi8(low1, index), upper);
+    const __m256i high =
+        _mm256_blendv_epi8(_mm256_shuffle_epi8(high0, index),
+                           _mm256_shuffle_epi8(high1, index), upper);
+    const __m256i folded = _mm256_blendv_epi8(low, high, odd_bytes);
+    __m256i code = _mm256_srli_epi16(_mm256_add_epi16(a, folded), kShift);
+    const __m256i is_zero = _mm256_cmpeq_epi16(a, zero);
+    code = _mm256_andnot_si256(is_zero, _mm256_min_epu16(code, max_code));
+    least = _mm256_min_epu16(least, _mm256_or_si256(a, is_zero));
+    return _mm256_or_si256(code,
+                           _mm256_and_si256(_mm256_srli_epi16(x, 8), sign_bit));
+  };
+  const auto load_row = [row](size_t j) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j));
+  };
+  size_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    // packus interleaves 128-bit lanes: [c0 low, c1 low, c0 high, c1 high].
+    const __m256i packed =
+        _mm256_packus_epi16(codes(load_row(j)), codes(load_row(j + 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                        _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+  for (; j + 16 <= n; j += 16) {
+    const __m256i c = codes(load_row(j));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                     _mm256_castsi256_si128(_mm256_permute4x64_epi64(
+                         _mm256_packus_epi16(c, c), 0xD8)));
+  }
+  const size_t vector_end = j;
+  for (; j < n; ++j) {
+    const uint16_t a = row[j] & 0x7FFFu;
+    if (a != 0 && a < table.safe) {
+      dst[j] = Fp8Scalar<kCodec>(HalfToFloat(row[j]) / scale);
+      continue;
+    }
+    const uint32_t b = (a >> 5) & 31u;
+    uint32_t code = static_cast<uint16_t>(a + table.folded[b]) >> kShift;
+    code = a == 0 ? 0 : std::min<uint32_t>(code, kMaxCode);
+    dst[j] = static_cast<uint8_t>(code | ((row[j] >> 8) & 0x80u));
+  }
+  // Lanes below `safe`: least <= safe - 1 (unsigned).
+  const __m256i below = _mm256_set1_epi16(static_cast<short>(table.safe - 1));
+  if (_mm256_movemask_epi8(
+          _mm256_cmpeq_epi16(_mm256_min_epu16(least, below), least)) == 0) {
+    return;
+  }
+  for (j = 0; j < vector_end; j += 16) {
+    const __m256i a = _mm256_and_si256(load_row(j), magnitude);
+    // 0 < |x| < safe; |x| <= 0x7BFF, so signed compares are right.
+    const __m256i uncovered = _mm256_andnot_si256(
+        _mm256_cmpeq_epi16(a, zero),
+        _mm256_cmpgt_epi16(_mm256_set1_epi16(static_cast<short>(table.safe)),
+                           a));
+    uint32_t bits = static_cast<uint32_t>(_mm256_movemask_epi8(uncovered));
+    while (bits != 0) {
+      const size_t i = j + static_cast<size_t>(__builtin_ctz(bits)) / 2;
+      dst[i] = Fp8Scalar<kCodec>(HalfToFloat(row[i]) / scale);
+      bits &= bits - 1;
+      bits &= bits - 1;  // both bytes of the lane
+    }
+  }
+}
+#endif  // AVX-512BW or AVX2
 #else
 #define KVCACHE_FP8_TABLE 0
-#endif  // AVX-512BW
+#endif  // AVX2 and up
 
 template <Codec kCodec>
 void EncodeFp8(const Section& s, const uint16_t* in, uint8_t* out) {
