@@ -218,6 +218,15 @@ class Metrics::DataPlaneCollector : public prometheus::Collectable {
                          "token.",
                          MetricType::Counter));
     AddValue(&out.back(), g.rejected_connections);
+    gauge("kvcache_data_plane_buffer_keys",
+          "Remote keys of clients' long-lived buffers (DataBuffers) the node "
+          "keeps on its connections.",
+          g.buffer_keys);
+    out.push_back(Family("kvcache_data_plane_pulled_blocks_total",
+                         "Blocks encoded straight from a client buffer the "
+                         "node mapped (pulled writes: no copy).",
+                         MetricType::Counter));
+    AddValue(&out.back(), g.pulled_blocks);
     return out;
   }
 

@@ -65,6 +65,8 @@ absl::Status Node::Start() {
       g.write_sessions = s.write_sessions;
       g.read_sessions = s.read_sessions;
       g.rejected_connections = s.rejected_connections;
+      g.buffer_keys = s.buffer_keys;
+      g.pulled_blocks = s.pulled_blocks;
       return g;
     });
   }

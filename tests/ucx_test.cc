@@ -704,6 +704,12 @@ TEST_P(UcxTest, PutsFromADataBufferArePulledWhereTheNodeCanMapThem) {
           << CodecName(codec) << " block " << i;
     }
   }
+  // Operators see the pulls.
+  EXPECT_NE(node_->metrics()->Render().find(
+                absl::StrCat("kvcache_data_plane_pulled_blocks_total ",
+                             node_->data_plane()->Stats().pulled_blocks, "\n")),
+            std::string::npos);
+  EXPECT_EQ(node_->data_plane()->Stats().pulled_blocks, shm ? 8u : 0u);
   // A pulled block the node refuses (an infinity: INVALID_ARGUMENT from the
   // encoder) fails the Put, which returns only once the node has dropped
   // the write; nothing is left behind and the buffer can be used again.
