@@ -236,6 +236,10 @@ struct Client::Impl {
     std::lock_guard<std::mutex> lock(pull_mu);
     return pull_refused.contains(node);
   }
+  void RefusePulls(const std::string& node) {
+    std::lock_guard<std::mutex> lock(pull_mu);
+    pull_refused.insert(node);
+  }
 
   std::mutex buffers_mu;
   std::map<uintptr_t, Buffer> buffers;  // guarded by buffers_mu
@@ -649,8 +653,9 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
       return local < static_cast<size_t>(begin_response.present_size()) &&
              begin_response.present(static_cast<int>(local));
     };
-    bool sent = false;    // the bytes went over the data plane
-    bool pulled = false;  // ... and the node takes them from a DataBuffer
+    bool sent = false;      // the bytes went over the data plane
+    bool pulled = false;    // ... and the node takes them from a DataBuffer
+    std::string pull_node;  // when pulled: the node's NodeAddress::key()
     // Blocks that lie in a DataBuffer go with its registration (held until
     // the commit has answered: a node that pulls reads the buffer until
     // then).
@@ -697,6 +702,7 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
         if (!token.ok()) return token.status();
         if (pullable) {
           pulled = true;
+          pull_node = node.key();
           return (*ucx_plane)
               ->PullBlocks(node, begin_response.write_id(), *token,
                            *regions.front(), pull_buffer, pulls,
@@ -716,8 +722,7 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
         }
         if (st.code() == absl::StatusCode::kUnavailable &&
             impl_->options.data_plane == DataPlane::kAuto) {
-          std::lock_guard<std::mutex> lock(impl_->pull_mu);
-          impl_->pull_refused.insert(node.key());
+          impl_->RefusePulls(pull_node);
           continue;  // again without a pull, which then falls back inline
         }
         return st;
@@ -752,9 +757,7 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
     if (!st.ok() && pulled && st.code() == absl::StatusCode::kUnimplemented) {
       // The node could not map the buffer (no shared memory between us):
       // it has dropped the write; send this batch again, and from now on.
-      std::lock_guard<std::mutex> lock(impl_->pull_mu);
-      impl_->pull_refused.insert(
-          impl_->Resolve(begin_response.data_plane()).key());
+      impl_->RefusePulls(pull_node);
       continue;
     }
     if (!st.ok() && pulled) {

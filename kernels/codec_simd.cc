@@ -455,6 +455,31 @@ struct Fp8HeadTable {
 #endif
 };
 
+// The format's constants the table path uses: K = 2^kManBits codes per
+// binade, so |x| >> kShift is K*e plus the top mantissa bits.
+template <Codec kCodec>
+struct Fp8TableFormat {
+  static constexpr int kManBits = kCodec == Codec::kFp8E4M3 ? 3 : 2;
+  static constexpr int kShift = 10 - kManBits;
+  static constexpr uint16_t kMaxCode = kCodec == Codec::kFp8E4M3 ? 0x7E : 0x7B;
+};
+
+// The code of one value by the table, or by the reference arithmetic where
+// the table does not cover it (0 < |x| < safe): the scalar form of the row
+// encoders below, for their last values and their recodes.
+template <Codec kCodec>
+uint8_t Fp8CodeByTable(uint16_t x, const Fp8HeadTable& table, float scale) {
+  using F = Fp8TableFormat<kCodec>;
+  const uint16_t a = x & 0x7FFFu;
+  if (a != 0 && a < table.safe)
+    return Fp8Scalar<kCodec>(HalfToFloat(x) / scale);
+  // 16-bit wrap-around, as in the vector lanes.
+  uint32_t code =
+      static_cast<uint16_t>(a + table.folded[(a >> 5) & 31u]) >> F::kShift;
+  code = a == 0 ? 0 : std::min<uint32_t>(code, F::kMaxCode);
+  return static_cast<uint8_t>(code | ((x >> 8) & 0x80u));
+}
+
 // Codes (7 bits, positive) of RN(4(1 + m/1024) / sm) for 32 values of m.
 template <Codec kCodec, class DU>
 HWY_INLINE hn::Vec<DU> ReferenceQuotientCodes(
@@ -479,9 +504,8 @@ struct Fp8SignificandTable {
 template <Codec kCodec>
 void BuildFp8SignificandTable(uint32_t significand,
                               Fp8SignificandTable& table) {
-  constexpr int kManBits = kCodec == Codec::kFp8E4M3 ? 3 : 2;
-  constexpr uint32_t kShift = 10 - kManBits;
-  constexpr uint32_t K = 1u << kManBits;
+  constexpr uint32_t kShift = Fp8TableFormat<kCodec>::kShift;
+  constexpr uint32_t K = 1u << Fp8TableFormat<kCodec>::kManBits;
   const hn::ScalableTag<uint32_t> du;  // 16 lanes on AVX-512, 8 on AVX2
   const hn::RebindToFloat<decltype(du)> df;
   const hn::Rebind<uint16_t, decltype(du)> d16;
@@ -542,8 +566,7 @@ const Fp8SignificandTable& CachedFp8SignificandTable(uint32_t significand) {
 // then takes the exact path.
 template <Codec kCodec>
 bool BuildFp8HeadTable(float scale, Fp8HeadTable& table) {
-  constexpr int kManBits = kCodec == Codec::kFp8E4M3 ? 3 : 2;
-  constexpr int32_t K = 1 << kManBits;
+  constexpr int32_t K = 1 << Fp8TableFormat<kCodec>::kManBits;
   const uint32_t bits = FloatBits(scale);
   const uint32_t exp_field = bits >> 23;
   if (exp_field == 0 || exp_field >= 255) return false;
@@ -551,7 +574,7 @@ bool BuildFp8HeadTable(float scale, Fp8HeadTable& table) {
   const Fp8SignificandTable& sig =
       CachedFp8SignificandTable<kCodec>(bits & 0x7FFFFFu);
   if (!sig.usable) return false;
-  constexpr int kShift = 10 - kManBits;
+  constexpr int kShift = Fp8TableFormat<kCodec>::kShift;
   const hn::ScalableTag<uint16_t> d16;
   const auto adjust = hn::Set(d16, static_cast<uint16_t>(K * e_s));
   alignas(64) uint16_t base[32];
@@ -595,9 +618,8 @@ template <Codec kCodec>
 HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
                                     const Fp8HeadTable& table, float scale,
                                     uint8_t* dst) {
-  constexpr int kShift = kCodec == Codec::kFp8E4M3 ? 7 : 8;
-  const __m512i max_code =
-      _mm512_set1_epi16(kCodec == Codec::kFp8E4M3 ? 0x7E : 0x7B);
+  constexpr int kShift = Fp8TableFormat<kCodec>::kShift;
+  const __m512i max_code = _mm512_set1_epi16(Fp8TableFormat<kCodec>::kMaxCode);
   const __m512i folded_table = _mm512_load_si512(table.folded);
   const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
   const __m512i sign_bit = _mm512_set1_epi16(0x80);
@@ -631,20 +653,7 @@ HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
         _mm512_cvtepi16_epi8(codes(_mm512_loadu_si512(row + j))));
   }
   const size_t vector_end = j;
-  for (; j < n; ++j) {
-    const uint16_t a = row[j] & 0x7FFFu;
-    if (a != 0 && a < table.safe) {
-      dst[j] = Fp8Scalar<kCodec>(HalfToFloat(row[j]) / scale);
-      continue;
-    }
-    const uint32_t b = (a >> 5) & 31u;
-    // 16-bit wrap-around, as in the vector lanes.
-    uint32_t code = static_cast<uint16_t>(a + table.folded[b]) >> kShift;
-    code = a == 0 ? 0
-                  : std::min<uint32_t>(code,
-                                       kCodec == Codec::kFp8E4M3 ? 0x7E : 0x7B);
-    dst[j] = static_cast<uint8_t>(code | ((row[j] >> 8) & 0x80u));
-  }
+  for (; j < n; ++j) dst[j] = Fp8CodeByTable<kCodec>(row[j], table, scale);
   const __m512i safe = _mm512_set1_epi16(table.safe);
   if (_mm512_cmplt_epu16_mask(least, safe) == 0) return;
   for (j = 0; j < vector_end; j += 32) {
@@ -653,7 +662,7 @@ HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
         _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(a, a), a, safe);
     while (uncovered != 0) {
       const size_t i = j + static_cast<size_t>(__builtin_ctz(uncovered));
-      dst[i] = Fp8Scalar<kCodec>(HalfToFloat(row[i]) / scale);
+      dst[i] = Fp8CodeByTable<kCodec>(row[i], table, scale);
       uncovered &= uncovered - 1;
     }
   }
@@ -665,8 +674,8 @@ template <Codec kCodec>
 HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
                                     const Fp8HeadTable& table, float scale,
                                     uint8_t* dst) {
-  constexpr int kShift = kCodec == Codec::kFp8E4M3 ? 7 : 8;
-  constexpr uint16_t kMaxCode = kCodec == Codec::kFp8E4M3 ? 0x7E : 0x7B;
+  constexpr int kShift = Fp8TableFormat<kCodec>::kShift;
+  constexpr uint16_t kMaxCode = Fp8TableFormat<kCodec>::kMaxCode;
   const auto load = [](const void* p) {
     return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
   };
@@ -720,17 +729,7 @@ HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
                          _mm256_packus_epi16(c, c), 0xD8)));
   }
   const size_t vector_end = j;
-  for (; j < n; ++j) {
-    const uint16_t a = row[j] & 0x7FFFu;
-    if (a != 0 && a < table.safe) {
-      dst[j] = Fp8Scalar<kCodec>(HalfToFloat(row[j]) / scale);
-      continue;
-    }
-    const uint32_t b = (a >> 5) & 31u;
-    uint32_t code = static_cast<uint16_t>(a + table.folded[b]) >> kShift;
-    code = a == 0 ? 0 : std::min<uint32_t>(code, kMaxCode);
-    dst[j] = static_cast<uint8_t>(code | ((row[j] >> 8) & 0x80u));
-  }
+  for (; j < n; ++j) dst[j] = Fp8CodeByTable<kCodec>(row[j], table, scale);
   // Lanes below `safe`: least <= safe - 1 (unsigned).
   const __m256i below = _mm256_set1_epi16(static_cast<short>(table.safe - 1));
   if (_mm256_movemask_epi8(
@@ -747,7 +746,7 @@ HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
     uint32_t bits = static_cast<uint32_t>(_mm256_movemask_epi8(uncovered));
     while (bits != 0) {
       const size_t i = j + static_cast<size_t>(__builtin_ctz(bits)) / 2;
-      dst[i] = Fp8Scalar<kCodec>(HalfToFloat(row[i]) / scale);
+      dst[i] = Fp8CodeByTable<kCodec>(row[i], table, scale);
       bits &= bits - 1;
       bits &= bits - 1;  // both bytes of the lane
     }

@@ -138,6 +138,20 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     return client->Put(ns, writes);
   }
 
+  // How a client reaches the node's data plane (as Client does it), for
+  // tests that drive ucx::ClientPlane themselves.
+  static ucx::NodeAddress AddressOf(const kvcache::v1::DataPlaneInfo& info) {
+    ucx::NodeAddress address;
+    address.listener = info.ucx_address();
+    if (!address.listener.empty() && address.listener.front() == ':') {
+      address.listener = "127.0.0.1" + address.listener;
+    }
+    address.worker = info.worker_address();
+    address.bounded_reads = info.bounded_reads();
+    address.pull_writes = info.pull_writes();
+    return address;
+  }
+
   static std::vector<std::string> Keys(int first, int n) {
     std::vector<std::string> k;
     for (int i = first; i < first + n; ++i) k.push_back(Key(i));
@@ -611,13 +625,7 @@ TEST_P(UcxTest, ReadDestinationsOutsideTheRegionAreRefused) {
     ASSERT_TRUE(rpc.ok()) << rpc.error_message();
     ASSERT_TRUE(response.has_data_plane());
     ASSERT_TRUE(response.data_plane().bounded_reads());
-    ucx::NodeAddress address;
-    address.listener = response.data_plane().ucx_address();
-    if (!address.listener.empty() && address.listener.front() == ':') {
-      address.listener = "127.0.0.1" + address.listener;
-    }
-    address.worker = response.data_plane().worker_address();
-    address.bounded_reads = true;
+    const ucx::NodeAddress address = AddressOf(response.data_plane());
     auto region = (*plane)->Allocate(2 * block_bytes);
     ASSERT_TRUE(region.ok()) << region.status();
     std::memset((*region)->data(), 0xAB, 2 * block_bytes);
@@ -768,13 +776,7 @@ TEST_P(UcxTest, WritePullOutsideTheRegionIsRefused) {
       ASSERT_TRUE(rpc.ok()) << rpc.error_message();
     }
     ASSERT_TRUE(begun.data_plane().pull_writes());
-    ucx::NodeAddress node;
-    node.listener = begun.data_plane().ucx_address();
-    if (!node.listener.empty() && node.listener.front() == ':') {
-      node.listener = "127.0.0.1" + node.listener;
-    }
-    node.worker = begun.data_plane().worker_address();
-    node.pull_writes = true;
+    const ucx::NodeAddress node = AddressOf(begun.data_plane());
     auto token = ucx::TokenFromBytes(begun.data_plane().token());
     ASSERT_TRUE(token.ok());
     const ucx::ClientPlane::PullBlock block{0, address};

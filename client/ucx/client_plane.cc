@@ -52,6 +52,12 @@ struct SendState {
   }
 };
 
+// Appends the low `bytes` bytes of v, little end first (the wire's order).
+void AppendLe(std::string* out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i)
+    out->push_back(static_cast<char>(v >> (8 * i)));
+}
+
 // Waits for sends until `deadline`; past it, calls `force_close` (which
 // fails whatever is in flight) and waits, bounded, for the sends to end, so
 // that no send touches the caller's bytes after this returns.
@@ -366,13 +372,9 @@ absl::Status ClientPlane::PullBlocks(const NodeAddress& address,
   const std::string header = Encode(h);
   // Header, key, entries, this worker's address: kept by the operation.
   std::string keep = header + *rkey;
-  auto put_le = [&keep](uint64_t v, int bytes) {
-    for (int i = 0; i < bytes; ++i)
-      keep.push_back(static_cast<char>(v >> (8 * i)));
-  };
   for (const PullBlock& b : blocks) {
-    put_le(b.index, 4);
-    put_le(b.address, 8);
+    AppendLe(&keep, b.index, 4);
+    AppendLe(&keep, b.address, 8);
   }
   keep += worker_address_;
   auto state = std::make_shared<SendState>();
@@ -419,17 +421,11 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   // Header, key, destinations, this worker's address: kept by the
   // operation until it completes.
   std::string keep = header + *rkey;
-  for (uint64_t d : destinations) {
-    for (int i = 0; i < 8; ++i) keep.push_back(static_cast<char>(d >> (8 * i)));
-  }
+  for (uint64_t d : destinations) AppendLe(&keep, d, 8);
   keep += worker_address_;
   if (address.bounded_reads) {
-    for (uint64_t v : {reinterpret_cast<uint64_t>(region->data()),
-                       static_cast<uint64_t>(region->size())}) {
-      for (int i = 0; i < 8; ++i) {
-        keep.push_back(static_cast<char>(v >> (8 * i)));
-      }
-    }
+    AppendLe(&keep, reinterpret_cast<uint64_t>(region->data()), 8);
+    AppendLe(&keep, region->size(), 8);
   }
   auto state = std::make_shared<ReadState>();
   std::string token_bytes = TokenBytes(token);
