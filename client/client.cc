@@ -442,6 +442,7 @@ struct Client::Impl {
     address.worker = info.worker_address();
     address.bounded_reads = info.bounded_reads();
     address.pull_writes = info.pull_writes();
+    address.message_reads = info.message_reads();
     return address;
   }
 

@@ -125,6 +125,14 @@ absl::Status ApplyFlag(absl::string_view name, absl::string_view value,
     o.ucx.listen = std::string(value);
   } else if (name == "ucx-advertise") {
     o.ucx.advertise_host = std::string(value);
+  } else if (name == "ucx-read-delivery") {
+    if (value == "auto") {
+      o.ucx.read_delivery = ucx::ReadDelivery::kAuto;
+    } else if (value == "puts") {
+      o.ucx.read_delivery = ucx::ReadDelivery::kPuts;
+    } else {
+      return Bad(name, value, "expected auto or puts");
+    }
   } else if (name == "staging-bytes") {
     absl::StatusOr<uint64_t> bytes = store::ParseByteSize(value);
     if (!bytes.ok()) return bytes.status();
@@ -178,6 +186,10 @@ Usage: kvcache-node [--flag=value ...]
   --ucx-advertise=HOST          host clients dial for the data plane
                                 (default: the --ucx-listen host; a wildcard
                                 host makes clients use their gRPC host)
+  --ucx-read-delivery=MODE      how reads reach clients: auto (default:
+                                puts on shared memory and RDMA, data
+                                messages where UCX would emulate puts,
+                                as on TCP) or puts (always)
   --staging-bytes=BYTES         bound on data-plane staging: write blocks
                                 until commit, read copies until sent
                                 (default 256MiB)

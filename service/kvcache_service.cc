@@ -344,6 +344,7 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
       data_plane_->worker_address());
   response->mutable_data_plane()->set_token(ucx::TokenBytes(*token));
   response->mutable_data_plane()->set_bounded_reads(true);
+  response->mutable_data_plane()->set_message_reads(true);
   return absl::OkStatus();
 }
 

@@ -227,6 +227,12 @@ class Metrics::DataPlaneCollector : public prometheus::Collectable {
                          "node mapped (pulled writes: no copy).",
                          MetricType::Counter));
     AddValue(&out.back(), g.pulled_blocks);
+    out.push_back(Family("kvcache_data_plane_message_reads_total",
+                         "Reads whose blocks went to the client as data "
+                         "messages (rendezvous into its buffer) rather than "
+                         "puts, as on TCP.",
+                         MetricType::Counter));
+    AddValue(&out.back(), g.message_reads);
     return out;
   }
 

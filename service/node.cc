@@ -67,6 +67,7 @@ absl::Status Node::Start() {
       g.rejected_connections = s.rejected_connections;
       g.buffer_keys = s.buffer_keys;
       g.pulled_blocks = s.pulled_blocks;
+      g.message_reads = s.message_reads;
       return g;
     });
   }

@@ -54,6 +54,10 @@ kernels::BlockShape LargeShape() { return {4, 8, 128, 32}; }
 struct Transport {
   const char* name;
   const char* tls;
+  // The node's read delivery: tcp_puts makes tcp reads go by (emulated)
+  // puts, the path RDMA takes, which tcp's default (data messages) skips.
+  ucx::ReadDelivery delivery = ucx::ReadDelivery::kAuto;
+  bool tcp() const { return std::string(tls) == "tcp"; }
 };
 
 void PrintTo(const Transport& t, std::ostream* os) { *os << t.name; }
@@ -89,6 +93,7 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     options.ucx.listen = "127.0.0.1:0";
     options.ucx.staging_bytes = staging;
     options.ucx.handshake_timeout = absl::Seconds(1);
+    options.ucx.read_delivery = GetParam().delivery;
     node_ = std::make_unique<service::Node>(options);
     absl::Status started = node_->Start();
     ASSERT_TRUE(started.ok()) << started;
@@ -149,6 +154,7 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     address.worker = info.worker_address();
     address.bounded_reads = info.bounded_reads();
     address.pull_writes = info.pull_writes();
+    address.message_reads = info.message_reads();
     return address;
   }
 
@@ -230,8 +236,22 @@ TEST_P(UcxTest, PutGetRoundTripsOverUcxInBothFormats) {
       }
     }
   }
+  // Over tcp the node sends reads as data messages (UCX would emulate puts
+  // with active messages there), unless told to put; on shared memory it
+  // puts.
+  const bool messages =
+      GetParam().tcp() && GetParam().delivery == ucx::ReadDelivery::kAuto;
+  const uint64_t message_reads = node_->data_plane()->Stats().message_reads;
+  if (messages) {
+    EXPECT_GT(message_reads, 0u);
+  } else {
+    EXPECT_EQ(message_reads, 0u);
+  }
   // The bytes went over UCX, not gRPC, and nothing is left behind.
   std::string metrics = node_->metrics()->Render();
+  EXPECT_NE(metrics.find(absl::StrCat("kvcache_data_plane_message_reads_total ",
+                                      message_reads, "\n")),
+            std::string::npos);
   EXPECT_EQ(metrics.find("kvcache_transfer_bytes_total{direction=\"in\","
                          "transport=\"ucx\"} 0\n"),
             std::string::npos);
@@ -516,7 +536,7 @@ TEST_P(UcxTest, ConnectionsWithoutAValidTokenAreClosed) {
   ASSERT_TRUE(loop.ok()) << loop.status();
   const std::string listener = absl::StrCat("127.0.0.1:", node_->ucx_port());
   const std::string worker_address = node_->data_plane()->worker_address();
-  const bool tcp = std::string(GetParam().name) == "tcp";
+  const bool tcp = GetParam().tcp();
   auto run = [&](std::function<void()> fn) {
     std::promise<void> done;
     ASSERT_TRUE((*loop)->Post([&] {
@@ -663,7 +683,7 @@ TEST_P(UcxTest, ReadDestinationsOutsideTheRegionAreRefused) {
 // encoding of the input, bit for bit, and a put from heap memory is never
 // pulled.
 TEST_P(UcxTest, PutsFromADataBufferArePulledWhereTheNodeCanMapThem) {
-  const bool shm = std::string(GetParam().name) == "shm";
+  const bool shm = !GetParam().tcp();
   const kernels::BlockShape shape = LargeShape();
   const size_t stride = kernels::Fp16BlockBytes(shape);
   for (Codec codec : {Codec::kNone, Codec::kFp8E4M3}) {
@@ -857,16 +877,21 @@ TEST_P(UcxTest, AutoFallsBackToGrpcAndUcxOnlyRefusesANodeWithoutDataPlane) {
 TEST(UcxFlagsTest, ParsesAndChecksTheDataPlaneFlags) {
   auto f = service::ParseNodeFlags(
       {"--data-plane=ucx", "--ucx-listen=127.0.0.1:0",
-       "--ucx-advertise=node-0.kvcache", "--staging-bytes=64MiB"});
+       "--ucx-advertise=node-0.kvcache", "--staging-bytes=64MiB",
+       "--ucx-read-delivery=puts"});
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->options.data_plane, service::DataPlaneMode::kUcx);
   EXPECT_EQ(f->options.ucx.listen, "127.0.0.1:0");
   EXPECT_EQ(f->options.ucx.advertise_host, "node-0.kvcache");
   EXPECT_EQ(f->options.ucx.staging_bytes, 64ull << 20);
+  EXPECT_EQ(f->options.ucx.read_delivery, ucx::ReadDelivery::kPuts);
   EXPECT_EQ(service::ParseNodeFlags({})->options.data_plane,
             service::DataPlaneMode::kNone);
-  for (const char* bad : {"--data-plane=rdma", "--ucx-listen=nohostport",
-                          "--staging-bytes=0", "--staging-bytes=lots"}) {
+  EXPECT_EQ(service::ParseNodeFlags({})->options.ucx.read_delivery,
+            ucx::ReadDelivery::kAuto);
+  for (const char* bad :
+       {"--data-plane=rdma", "--ucx-listen=nohostport", "--staging-bytes=0",
+        "--staging-bytes=lots", "--ucx-read-delivery=messages"}) {
     EXPECT_EQ(service::ParseNodeFlags({bad}).status().code(),
               absl::StatusCode::kInvalidArgument)
         << bad;
@@ -1136,7 +1161,7 @@ TEST_P(UcxTest, PausedNodeEndsCallsAtTheirDeadlineOrWhenCancelled) {
   // The data-plane waits. Only where UCX has peer failure handling (tcp):
   // over UCX 1.13's shared memory a read abandoned mid-transfer cannot stop
   // the node, whose puts would land in `buffer` after the node resumes.
-  const bool peer_failures = std::string(GetParam().name) == "tcp";
+  const bool peer_failures = GetParam().tcp();
   // Cancelled from another thread while the bytes are not coming.
   if (peer_failures) {
     CallOptions call;
@@ -1248,6 +1273,8 @@ TEST_P(UcxTest, PausedNodeEndsCallsAtTheirDeadlineOrWhenCancelled) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, UcxTest,
                          ::testing::Values(Transport{"tcp", "tcp"},
+                                           Transport{"tcp_puts", "tcp",
+                                                     ucx::ReadDelivery::kPuts},
                                            Transport{"shm", "posix,sysv,self"}),
                          [](const ::testing::TestParamInfo<Transport>& info) {
                            return std::string(info.param.name);

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <optional>
 #include <utility>
 
 #include "absl/functional/function_ref.h"
@@ -16,9 +17,6 @@
 namespace kvcache::ucx {
 namespace {
 
-// Blocks from this size go by rendezvous: the node pulls them straight into
-// its staging buffer instead of receiving bounce-buffer fragments.
-constexpr size_t kRendezvousBytes = 64 << 10;
 // After a force-close, how long UCX may take to fail what was in flight.
 constexpr absl::Duration kCloseGrace = absl::Seconds(10);
 // How long an abandoned read on a connection without peer failure handling
@@ -110,6 +108,22 @@ struct ClientPlane::Connection {
 };
 
 struct ClientPlane::ReadState {
+  // Set before the read starts, then read-only: where data messages
+  // (kAmReadData) may land.
+  std::string token;                   // TokenBytes of the read's token
+  std::vector<uint64_t> destinations;  // per block
+  uint64_t region_base = 0;
+  uint64_t region_size = 0;
+  ucp_mem_h memh = nullptr;
+  // Loop thread only: data messages that have landed, or are being received
+  // into the region; the latest status that waits for more to land (see
+  // ReadStatusHeader::data_messages); and the end that waits for receives
+  // to finish.
+  uint32_t messages_landed = 0;
+  uint32_t receiving = 0;
+  std::optional<ReadStatusHeader> waiting_status;
+  std::optional<absl::Status> detach_when_received;
+
   std::mutex mu;
   std::condition_variable cv;
   uint32_t layers_done = 0;  // guarded by mu
@@ -174,6 +188,13 @@ absl::Status ClientPlane::InstallHandlers() {
     absl::Status status =
         UcxStatus(ucp_worker_set_am_recv_handler(loop_->worker().get(), &param),
                   "ucp_worker_set_am_recv_handler");
+    if (status.ok()) {
+      param.id = kAmReadData;
+      param.cb = &ClientPlane::OnReadData;
+      status = UcxStatus(
+          ucp_worker_set_am_recv_handler(loop_->worker().get(), &param),
+          "ucp_worker_set_am_recv_handler");
+    }
     if (status.ok()) {
       absl::StatusOr<std::string> address = loop_->worker().Address();
       if (address.ok()) {
@@ -262,7 +283,7 @@ void ClientPlane::CloseConnection(uint64_t conn_id, const absl::Status& why) {
     address_by_ep_.erase(conn->ep->get());
     conn->ep.reset();  // force close: every operation on it fails now
     for (auto& [token, state] : conn->reads) {
-      state->Detach(why);
+      DetachWhenReceived(state, why);
       loop_->AddBusy(-1);
       read_connection_.erase(token);
     }
@@ -415,7 +436,8 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   h.rkey_length = static_cast<uint32_t>(rkey->size());
   h.client_address_length = static_cast<uint32_t>(worker_address_.size());
   h.flags = (per_layer ? kReadFlagPerLayer : 0) |
-            (address.bounded_reads ? kReadFlagBounded : 0);
+            (address.bounded_reads ? kReadFlagBounded : 0) |
+            (address.message_reads ? kReadFlagMessages : 0);
   h.buffer_id = buffer_id;
   std::string header = Encode(h);
   // Header, key, destinations, this worker's address: kept by the
@@ -428,7 +450,12 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
     AppendLe(&keep, region->size(), 8);
   }
   auto state = std::make_shared<ReadState>();
+  state->destinations = destinations;
+  state->region_base = reinterpret_cast<uint64_t>(region->data());
+  state->region_size = region->size();
+  state->memh = region->memh();
   std::string token_bytes = TokenBytes(token);
+  state->token = token_bytes;
   bool posted = loop_->Post([this, address, token_bytes, state,
                              header_size = header.size(),
                              keep = std::move(keep)]() mutable {
@@ -466,6 +493,17 @@ void ClientPlane::ReleaseBuffer(uint64_t buffer_id) {
   });
 }
 
+std::shared_ptr<ClientPlane::ReadState> ClientPlane::FindRead(
+    const std::string& token) {
+  auto by_token = read_connection_.find(token);
+  if (by_token == read_connection_.end()) return nullptr;
+  auto conn = connections_.find(by_token->second);
+  if (conn == connections_.end()) return nullptr;
+  auto it = conn->second->reads.find(token);
+  if (it == conn->second->reads.end()) return nullptr;
+  return it->second;
+}
+
 ucs_status_t ClientPlane::OnReadStatus(
     void* arg, const void* header, size_t header_length, void* data,
     size_t length, const ucp_am_recv_param_t* param) noexcept {
@@ -476,24 +514,118 @@ ucs_status_t ClientPlane::OnReadStatus(
   if (!h.ok()) return UCS_OK;
   // The token names the read (read ids are only unique per node).
   const std::string token = TokenBytes(h->token);
-  auto by_token = self->read_connection_.find(token);
-  if (by_token == self->read_connection_.end()) return UCS_OK;
-  auto conn = self->connections_.find(by_token->second);
-  if (conn == self->connections_.end()) return UCS_OK;
-  auto it = conn->second->reads.find(token);
-  if (it == conn->second->reads.end()) return UCS_OK;
+  std::shared_ptr<ReadState> state = self->FindRead(token);
+  if (state == nullptr) return UCS_OK;
+  const absl::string_view message(static_cast<const char*>(data), length);
+  if (h->code == 0 && h->has_data_messages &&
+      state->messages_landed < h->data_messages) {
+    // Layers whose data is still landing: applied by DataLanded.
+    state->waiting_status = *h;
+    return UCS_OK;
+  }
   absl::Status status;
   if (h->code != 0) {
-    status =
-        absl::Status(static_cast<absl::StatusCode>(h->code),
-                     absl::string_view(static_cast<const char*>(data), length));
+    status = absl::Status(static_cast<absl::StatusCode>(h->code), message);
   }
   if (!status.ok() || h->layers_done >= h->num_layers) {
     self->EndRead(token, h->layers_done, status);
   } else {
-    it->second->Update(h->layers_done, false, status);
+    state->Update(h->layers_done, false, status);
   }
   return UCS_OK;
+}
+
+ucs_status_t ClientPlane::OnReadData(
+    void* arg, const void* header, size_t header_length, void* data,
+    size_t length, const ucp_am_recv_param_t* param) noexcept {
+  auto* self = static_cast<ClientPlane*>(arg);
+  const bool rendezvous = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  // A rendezvous descriptor that is not received must be released.
+  auto drop = [&] {
+    if (rendezvous) ucp_am_data_release(self->loop_->worker().get(), data);
+    return UCS_OK;
+  };
+  absl::StatusOr<ReadDataHeader> h = DecodeReadData(
+      absl::string_view(static_cast<const char*>(header), header_length));
+  if (!h.ok()) return drop();
+  const std::string token = TokenBytes(h->token);
+  std::shared_ptr<ReadState> state = self->FindRead(token);
+  if (state == nullptr) return drop();
+  // The node names a block and an offset; the bytes must fall inside the
+  // region this read registered.
+  uint64_t at = 0;
+  if (h->block >= state->destinations.size() ||
+      state->destinations[h->block] < state->region_base ||
+      __builtin_add_overflow(state->destinations[h->block], h->offset, &at) ||
+      at - state->region_base > state->region_size ||
+      length > state->region_size - (at - state->region_base)) {
+    self->EndRead(token, 0,
+                  absl::InternalError(
+                      absl::StrCat("the node sent ", length, " bytes of block ",
+                                   h->block, " at offset ", h->offset,
+                                   ", outside the read's destination region")));
+    return drop();
+  }
+  void* destination = reinterpret_cast<void*>(at);
+  if (!rendezvous) {
+    std::memcpy(destination, data, length);
+    self->DataLanded(state, absl::OkStatus());
+    return UCS_OK;
+  }
+  ++state->receiving;
+  self->loop_->AddBusy(1);
+  Operation::Start(
+      Operation::Kind::kRecvAm,
+      [worker = self->loop_->worker().get(), data, destination, length,
+       memh = state->memh](const ucp_request_param_t& param,
+                           absl::string_view) {
+        ucp_request_param_t p = param;
+        if (memh != nullptr) {
+          p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+          p.memh = memh;
+        }
+        return ucp_am_recv_data_nbx(worker, data, destination, length, &p);
+      },
+      [self, state](absl::Status status) {
+        self->loop_->AddBusy(-1);
+        --state->receiving;
+        self->DataLanded(state, status);
+      });
+  return UCS_OK;
+}
+
+void ClientPlane::DataLanded(const std::shared_ptr<ReadState>& state,
+                             const absl::Status& status) {
+  if (state->detach_when_received.has_value()) {
+    if (state->receiving == 0) state->Detach(*state->detach_when_received);
+    return;
+  }
+  if (!status.ok()) {
+    EndRead(state->token, 0, status);
+    return;
+  }
+  ++state->messages_landed;
+  if (!state->waiting_status.has_value() ||
+      state->messages_landed < state->waiting_status->data_messages) {
+    return;
+  }
+  const ReadStatusHeader h = *state->waiting_status;
+  state->waiting_status.reset();
+  if (h.layers_done >= h.num_layers) {
+    EndRead(state->token, h.layers_done, absl::OkStatus());
+  } else {
+    state->Update(h.layers_done, false, absl::OkStatus());
+  }
+}
+
+void ClientPlane::DetachWhenReceived(const std::shared_ptr<ReadState>& state,
+                                     const absl::Status& why) {
+  if (state->receiving == 0) {
+    state->Detach(why);
+    return;
+  }
+  // The receives end when their data lands or their connection fails.
+  state->detach_when_received = why;
 }
 
 void ClientPlane::EndRead(const std::string& token, uint32_t layers_done,
@@ -509,7 +641,7 @@ void ClientPlane::EndRead(const std::string& token, uint32_t layers_done,
   conn->second->reads.erase(it);
   loop_->AddBusy(-1);
   state->Update(layers_done, /*done=*/true, status);
-  state->Detach(status);
+  DetachWhenReceived(state, status);
 }
 
 ClientPlane::Read::~Read() {
@@ -522,10 +654,15 @@ ClientPlane::Read::~Read() {
       state_->cv.wait_until(lock, Chrono(absl::Now() + kAbandonGrace), [&] {
         return state_->finished || state_->detached;
       });
-      if (state_->detached || state_->finished) return;
-    } else if (state_->finished) {
-      return;
     }
+    if (state_->finished) {
+      // Ended: detached at once, or once the data messages still being
+      // received into the region have landed (bounded; then closing fails
+      // them).
+      state_->cv.wait_until(lock, Chrono(absl::Now() + kCloseGrace),
+                            [&] { return state_->detached; });
+    }
+    if (state_->detached) return;
   }
   // The node may still be putting into the region: close the connection
   // (no more puts land where closing stops them) before the region goes.

@@ -58,6 +58,9 @@ struct NodeAddress {
   // The node takes blocks from a client buffer it maps
   // (DataPlaneInfo.pull_writes).
   bool pull_writes = false;
+  // The node can send read data as messages (DataPlaneInfo.message_reads):
+  // reads accept them.
+  bool message_reads = false;
   // Connections are kept per node under this key; a node that restarts
   // has a new worker address, so a new key.
   std::string key() const { return listener + "|" + worker; }
@@ -140,6 +143,19 @@ class ClientPlane {
                                    size_t header_length, void* data,
                                    size_t length,
                                    const ucp_am_recv_param_t* param) noexcept;
+  static ucs_status_t OnReadData(void* arg, const void* header,
+                                 size_t header_length, void* data,
+                                 size_t length,
+                                 const ucp_am_recv_param_t* param) noexcept;
+  // The read named by `token` bytes, if it is in progress.
+  std::shared_ptr<ReadState> FindRead(const std::string& token);
+  // A data message of `state` has landed (or failed: `status`).
+  void DataLanded(const std::shared_ptr<ReadState>& state,
+                  const absl::Status& status);
+  // Ends `state` once none of its data messages is still being received
+  // (their bytes land in its region until then).
+  void DetachWhenReceived(const std::shared_ptr<ReadState>& state,
+                          const absl::Status& why);
   absl::StatusOr<Connection*> GetConnection(const NodeAddress& address);
   void CloseConnection(uint64_t conn_id, const absl::Status& why);
   void ForceCloseAddress(const std::string& address);

@@ -1,12 +1,16 @@
 #include "service/ucx/data_plane.h"
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <utility>
 
 #include "absl/memory/memory.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "kernels/codec.h"
 #include "service/log.h"
@@ -69,6 +73,9 @@ struct DataPlane::Connection {
   };
   absl::flat_hash_map<uint64_t, BufferKey> buffer_keys;
 
+  // Whether every lane of out() is TCP (unset until a read asks).
+  std::optional<bool> tcp_only;
+
   Endpoint& out() { return put_ep != nullptr ? *put_ep : *ep; }
 };
 
@@ -106,6 +113,8 @@ struct DataPlane::ReadSession {
   std::shared_ptr<RemoteKey> rkey;
   uint32_t outstanding = 0;  // puts, flushes and status sends in flight
   uint32_t layers_done = 0;
+  bool by_messages = false;    // kAmReadData instead of puts
+  uint32_t data_messages = 0;  // kAmReadData messages issued
   absl::Status error;
   bool finished = false;
 };
@@ -251,6 +260,7 @@ DataPlaneStats DataPlane::Stats() const {
   s.rejected_connections = rejected_connections_.load();
   s.buffer_keys = buffer_key_count_.load();
   s.pulled_blocks = pulled_blocks_.load();
+  s.message_reads = message_reads_.load();
   std::lock_guard<std::mutex> lock(mu_);
   s.write_sessions = static_cast<uint32_t>(writes_.size());
   s.read_sessions = static_cast<uint32_t>(reads_.size());
@@ -869,7 +879,8 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
   }
   conn->authenticated = true;
   const size_t blocks = session->result.blocks.size();
-  if ((h->flags & ~(kReadFlagPerLayer | kReadFlagBounded)) != 0) {
+  if ((h->flags &
+       ~(kReadFlagPerLayer | kReadFlagBounded | kReadFlagMessages)) != 0) {
     FinishRead(session, absl::InvalidArgumentError(absl::StrCat(
                             "read request with unknown flags ", h->flags)));
     return;
@@ -928,13 +939,48 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
     return;
   }
   session->rkey = *std::move(rkey);
+  const bool by_messages = (h->flags & kReadFlagMessages) != 0 && blocks > 0 &&
+                           options_.read_delivery == ReadDelivery::kAuto &&
+                           !PutsAreNative(conn, *session->rkey, remote[0]);
+  if (by_messages) message_reads_.fetch_add(1);
   StartPuts(session, conn, std::move(remote),
-            (h->flags & kReadFlagPerLayer) != 0);
+            (h->flags & kReadFlagPerLayer) != 0, by_messages);
+}
+
+bool DataPlane::PutsAreNative(Connection* conn, const RemoteKey& rkey,
+                              uint64_t address) {
+  void* mapped = nullptr;
+  if (ucp_rkey_ptr(rkey.get(), address, &mapped) == UCS_OK) return true;
+  if (!conn->tcp_only.has_value()) {
+    // UCX 1.13 has no query for an endpoint's transports; its description
+    // has one "lane[N]: ..." line per lane, naming the transport. Only
+    // where every lane is TCP do puts count as emulated: anything else
+    // (RDMA above all, where a data message's rendezvous would expose the
+    // node's memory) keeps puts.
+    char* text = nullptr;
+    size_t size = 0;
+    FILE* stream = open_memstream(&text, &size);
+    int lanes = 0;
+    int tcp_lanes = 0;
+    if (stream != nullptr) {
+      ucp_ep_print_info(conn->out().get(), stream);
+      std::fclose(stream);
+      for (absl::string_view line :
+           absl::StrSplit(absl::string_view(text, size), '\n')) {
+        if (!absl::StrContains(line, "lane[")) continue;
+        ++lanes;
+        if (absl::StrContains(line, ":tcp/")) ++tcp_lanes;
+      }
+      std::free(text);
+    }
+    conn->tcp_only = lanes > 0 && lanes == tcp_lanes;
+  }
+  return !*conn->tcp_only;
 }
 
 void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
                           Connection* conn, std::vector<uint64_t> remote,
-                          bool per_layer) {
+                          bool per_layer, bool by_messages) {
   const uint64_t conn_id = conn->id;
   const ucp_ep_h ep = conn->out().get();
   const ucp_rkey_h rkey = session->rkey->get();
@@ -949,16 +995,43 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
     if (!status.ok() && session->error.ok()) session->error = status;
     ReleaseIfIdle(*session);
   };
-  auto put = [&](const uint8_t* src, uint64_t length, uint64_t dst) {
+  session->by_messages = by_messages;
+  // Piece [start, start + length) of block b, from src.
+  auto put = [&](const uint8_t* src, uint64_t length, size_t b,
+                 uint64_t start) {
     ++session->outstanding;
     loop_->AddBusy(1);
+    if (!by_messages) {
+      const uint64_t dst = remote[b] + start;
+      Operation::Start(
+          Operation::Kind::kSend,
+          [ep, rkey, src, length, dst](const ucp_request_param_t& param,
+                                       absl::string_view) {
+            return ucp_put_nbx(ep, src, length, dst, rkey, &param);
+          },
+          track);
+      return;
+    }
+    ReadDataHeader h;
+    h.read_id = session->id;
+    h.token = session->token;
+    h.block = static_cast<uint32_t>(b);
+    h.offset = start;
+    ++session->data_messages;
     Operation::Start(
         Operation::Kind::kSend,
-        [ep, rkey, src, length, dst](const ucp_request_param_t& param,
-                                     absl::string_view) {
-          return ucp_put_nbx(ep, src, length, dst, rkey, &param);
+        [ep, src, length](const ucp_request_param_t& param,
+                          absl::string_view header) {
+          ucp_request_param_t p = param;
+          if (length >= kRendezvousBytes) {
+            // Rendezvous: the client receives straight into its region.
+            p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+            p.flags = UCP_AM_SEND_FLAG_RNDV;
+          }
+          return ucp_am_send_nbx(ep, kAmReadData, header.data(), header.size(),
+                                 src, length, &p);
         },
-        track);
+        track, Encode(h));
   };
   for (uint32_t slice = 0; slice < slices; ++slice) {
     for (size_t b = 0; b < session->result.blocks.size(); ++b) {
@@ -976,7 +1049,7 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
       if (end <= start || end > size) continue;
       if (block.spans.empty()) {
         put(reinterpret_cast<const uint8_t*>(block.data.data()) + start,
-            end - start, remote[b] + start);
+            end - start, b, start);
         continue;
       }
       // In place: the slice may cross page runs; one put per piece, straight
@@ -985,7 +1058,7 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
       for (absl::Span<const uint8_t> span : block.spans) {
         const uint64_t lo = std::max(start, at);
         const uint64_t hi = std::min(end, at + span.size());
-        if (lo < hi) put(span.data() + (lo - at), hi - lo, remote[b] + lo);
+        if (lo < hi) put(span.data() + (lo - at), hi - lo, b, lo);
         at += span.size();
         if (at >= end) break;
       }
@@ -993,6 +1066,8 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
     // The flush completes once every put issued so far is in the client's
     // memory; then the client hears that these layers are there.
     const uint32_t layers_done = per_layer ? slice + 1 : num_layers;
+    std::optional<uint32_t> data_messages;
+    if (by_messages) data_messages = session->data_messages;
     ++session->outstanding;
     loop_->AddBusy(1);
     Operation::Start(
@@ -1000,7 +1075,8 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
         [ep](const ucp_request_param_t& param, absl::string_view) {
           return ucp_ep_flush_nbx(ep, &param);
         },
-        [this, session, conn_id, layers_done, num_layers](absl::Status status) {
+        [this, session, conn_id, layers_done, num_layers,
+         data_messages](absl::Status status) {
           loop_->AddBusy(-1);
           --session->outstanding;
           if (!status.ok() && session->error.ok()) session->error = status;
@@ -1014,7 +1090,7 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
           }
           session->layers_done = layers_done;
           SendReadStatus(conn_id, session->id, session->token, layers_done,
-                         num_layers, absl::OkStatus());
+                         num_layers, absl::OkStatus(), data_messages);
           if (layers_done == num_layers) FinishRead(session, absl::OkStatus());
         });
   }
@@ -1022,8 +1098,8 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
 
 void DataPlane::SendReadStatus(uint64_t conn_id, uint64_t read_id,
                                const Token& token, uint32_t layers_done,
-                               uint32_t num_layers,
-                               const absl::Status& status) {
+                               uint32_t num_layers, const absl::Status& status,
+                               std::optional<uint32_t> data_messages) {
   auto it = connections_.find(conn_id);
   if (it == connections_.end()) return;
   ReadStatusHeader h;
@@ -1032,6 +1108,8 @@ void DataPlane::SendReadStatus(uint64_t conn_id, uint64_t read_id,
   h.layers_done = layers_done;
   h.num_layers = num_layers;
   h.code = static_cast<int32_t>(status.code());
+  h.has_data_messages = data_messages.has_value();
+  h.data_messages = data_messages.value_or(0);
   std::string header = Encode(h);
   const size_t header_size = header.size();
   const ucp_ep_h ep = it->second->out().get();

@@ -62,6 +62,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,16 @@
 #include "store/store.h"
 
 namespace kvcache::ucx {
+
+// How a read's bytes reach the client (see wire.h, kAmReadData).
+enum class ReadDelivery {
+  // Puts where they are native (shared memory, RDMA); data messages where
+  // UCX would emulate puts with active messages (TCP) and the client
+  // accepts them. Never data messages over RDMA: their rendezvous would
+  // hand the client a remote key to the node's memory.
+  kAuto,
+  kPuts,  // always puts
+};
 
 struct DataPlaneOptions {
   // HOST:PORT of the listener; port 0 picks a free port.
@@ -92,6 +103,7 @@ struct DataPlaneOptions {
   absl::Duration max_lease_ttl = absl::Minutes(10);
   // Progress-thread tuning (see WorkerLoop).
   int spin_iterations = 64;
+  ReadDelivery read_delivery = ReadDelivery::kAuto;
 };
 
 struct DataPlaneStats {
@@ -106,6 +118,9 @@ struct DataPlaneStats {
   // Blocks encoded straight from a client buffer the node mapped
   // (kAmWritePull), since the start.
   uint64_t pulled_blocks = 0;
+  // Reads whose blocks went as data messages rather than puts (kAmReadData),
+  // since the start.
+  uint64_t message_reads = 0;
 };
 
 class DataPlane {
@@ -234,16 +249,26 @@ class DataPlane {
   // (buffer_id != 0) is kept on the connection and reused.
   absl::StatusOr<std::shared_ptr<RemoteKey>> ClientKey(
       Connection* conn, uint64_t buffer_id, absl::string_view packed);
+  // Whether puts over `conn` into the region of `rkey` are native: false
+  // only where the node cannot map the region and every lane of the
+  // endpoint is TCP, where UCX emulates puts with active messages.
+  bool PutsAreNative(Connection* conn, const RemoteKey& rkey, uint64_t address);
+  // Moves the read's blocks to `remote` (one address per block): puts, or
+  // kAmReadData messages when `by_messages`.
   void StartPuts(const std::shared_ptr<ReadSession>& session, Connection* conn,
-                 std::vector<uint64_t> remote, bool per_layer);
+                 std::vector<uint64_t> remote, bool per_layer,
+                 bool by_messages);
   void FinishRead(const std::shared_ptr<ReadSession>& session,
                   absl::Status status);
   // Frees a finished read's key, copies and staging once no operation
   // references them.
   static void ReleaseIfIdle(ReadSession& session);
+  // data_messages: for a read delivered by kAmReadData, the messages sent
+  // before this status (ReadStatusHeader::data_messages).
   void SendReadStatus(uint64_t conn_id, uint64_t read_id, const Token& token,
                       uint32_t layers_done, uint32_t num_layers,
-                      const absl::Status& status);
+                      const absl::Status& status,
+                      std::optional<uint32_t> data_messages = std::nullopt);
 
   // Takes the session out of the table and runs or schedules its end: the
   // store commit (all landed), or abort + error. Called with mu_ held;
@@ -289,6 +314,7 @@ class DataPlane {
   std::atomic<uint32_t> connection_count_{0};
   std::atomic<uint32_t> buffer_key_count_{0};
   std::atomic<uint64_t> pulled_blocks_{0};
+  std::atomic<uint64_t> message_reads_{0};
   std::atomic<uint64_t> rejected_connections_{0};
 };
 

@@ -67,6 +67,8 @@ constexpr size_t kReleaseBufferBytes = kPrefixBytes + 8;
 constexpr size_t kWritePullBytes =
     kPrefixBytes + 8 + 16 + 4 + 4 + 4 + 8 + 8 + 8;
 constexpr size_t kReadStatusBytes = kPrefixBytes + 8 + 16 + 4 + 4 + 4;
+constexpr size_t kReadStatusCountedBytes = kReadStatusBytes + 4;
+constexpr size_t kReadDataBytes = kPrefixBytes + 8 + 16 + 4 + 8;
 
 absl::Status CheckPrefix(absl::string_view bytes, size_t want, unsigned kind,
                          Reader* r) {
@@ -169,6 +171,16 @@ std::string Encode(const ReadStatusHeader& h) {
   w.U32(h.layers_done);
   w.U32(h.num_layers);
   w.U32(static_cast<uint32_t>(h.code));
+  if (h.has_data_messages) w.U32(h.data_messages);
+  return w.Take();
+}
+
+std::string Encode(const ReadDataHeader& h) {
+  Writer w(kAmReadData);
+  w.U64(h.read_id);
+  w.Bytes(h.token);
+  w.U32(h.block);
+  w.U64(h.offset);
   return w.Take();
 }
 
@@ -236,7 +248,10 @@ absl::StatusOr<ReleaseBufferHeader> DecodeReleaseBuffer(
 
 absl::StatusOr<ReadStatusHeader> DecodeReadStatus(absl::string_view bytes) {
   Reader r(bytes);
-  if (absl::Status s = CheckPrefix(bytes, kReadStatusBytes, kAmReadStatus, &r);
+  const bool counted = bytes.size() == kReadStatusCountedBytes;
+  if (absl::Status s = CheckPrefix(
+          bytes, counted ? kReadStatusCountedBytes : kReadStatusBytes,
+          kAmReadStatus, &r);
       !s.ok()) {
     return s;
   }
@@ -246,6 +261,24 @@ absl::StatusOr<ReadStatusHeader> DecodeReadStatus(absl::string_view bytes) {
   h.layers_done = r.U32();
   h.num_layers = r.U32();
   h.code = static_cast<int32_t>(r.U32());
+  if (counted) {
+    h.has_data_messages = true;
+    h.data_messages = r.U32();
+  }
+  return h;
+}
+
+absl::StatusOr<ReadDataHeader> DecodeReadData(absl::string_view bytes) {
+  Reader r(bytes);
+  if (absl::Status s = CheckPrefix(bytes, kReadDataBytes, kAmReadData, &r);
+      !s.ok()) {
+    return s;
+  }
+  ReadDataHeader h;
+  h.read_id = r.U64();
+  r.Bytes(&h.token);
+  h.block = r.U32();
+  h.offset = r.U64();
   return h;
 }
 

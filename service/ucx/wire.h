@@ -39,6 +39,21 @@
 //                  layer's puts have completed at the client (`layers_done`
 //                  counts them; `layers_done == num_layers` ends the read)
 //                  or once with the error that ended the read.
+//   kAmReadData    node -> client  header ReadDataHeader, data = bytes of
+//                  block `block` of the read named by the token, for the
+//                  client to place at its destination + `offset`. Sent
+//                  instead of puts to a client that asked for it
+//                  (kReadFlagMessages, to nodes that offer
+//                  DataPlaneInfo.message_reads) where UCX would carry a put
+//                  as active messages anyway (TCP): large ones go by
+//                  rendezvous, and the client receives them straight into
+//                  its registered region, so the bytes are copied by the
+//                  kernel only, where an emulated put copies them twice
+//                  more. The client checks every piece against its region
+//                  and block count. The statuses of such a read carry
+//                  `data_messages`, the number of kAmReadData messages sent
+//                  before them: the client applies a status only once that
+//                  many have landed.
 //
 // Invariants:
 //  * A token is 16 bytes from the kernel's CSPRNG (getrandom), issued by the
@@ -50,6 +65,7 @@
 #define KVCACHE_SERVICE_UCX_WIRE_H_
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -63,6 +79,11 @@ inline constexpr unsigned kAmReadStart = 0x4b02;
 inline constexpr unsigned kAmReadStatus = 0x4b03;
 inline constexpr unsigned kAmReleaseBuffer = 0x4b04;
 inline constexpr unsigned kAmWritePull = 0x4b05;
+inline constexpr unsigned kAmReadData = 0x4b06;
+
+// Active-message data of at least this many bytes is sent by rendezvous,
+// so that the receiver places it straight where it belongs.
+inline constexpr size_t kRendezvousBytes = 64 << 10;
 
 inline constexpr uint32_t kWireMagic = 0x5855564b;  // "KVUX"
 inline constexpr uint8_t kWireVersion = 2;
@@ -106,7 +127,8 @@ struct ReadStartHeader {
   uint32_t rkey_length = 0;
   uint32_t client_address_length = 0;
   // kReadFlagPerLayer: put layer by layer and report each layer (else whole
-  // blocks, one report); kReadFlagBounded: the region's bounds follow.
+  // blocks, one report); kReadFlagBounded: the region's bounds follow;
+  // kReadFlagMessages: the client accepts kAmReadData in place of puts.
   uint8_t flags = 0;
   // 0: the remote key is for this read only, and the node destroys it when
   // the read ends. Otherwise the id (unique within the client process) of
@@ -118,6 +140,7 @@ struct ReadStartHeader {
 
 inline constexpr uint8_t kReadFlagPerLayer = 1;
 inline constexpr uint8_t kReadFlagBounded = 2;
+inline constexpr uint8_t kReadFlagMessages = 4;
 // Bytes of the region's bounds after the worker address.
 inline constexpr size_t kReadBoundsBytes = 16;
 
@@ -131,6 +154,19 @@ struct ReadStatusHeader {
   uint32_t layers_done = 0;
   uint32_t num_layers = 0;
   int32_t code = 0;  // absl::StatusCode of the failure; 0 while fine
+  // Reads delivered by kAmReadData only (the header is 4 bytes longer
+  // then; statuses of other reads keep the shorter form that clients
+  // without kReadFlagMessages expect): the data messages sent before this
+  // status.
+  bool has_data_messages = false;
+  uint32_t data_messages = 0;
+};
+
+struct ReadDataHeader {
+  uint64_t read_id = 0;
+  Token token{};
+  uint32_t block = 0;   // index into the read's destinations
+  uint64_t offset = 0;  // of the data within the block
 };
 
 std::string Encode(const WriteBlockHeader& h);
@@ -138,6 +174,7 @@ std::string Encode(const WritePullHeader& h);
 std::string Encode(const ReadStartHeader& h);
 std::string Encode(const ReadStatusHeader& h);
 std::string Encode(const ReleaseBufferHeader& h);
+std::string Encode(const ReadDataHeader& h);
 // INVALID_ARGUMENT for a header of the wrong size, magic or version.
 absl::StatusOr<WriteBlockHeader> DecodeWriteBlock(absl::string_view bytes);
 absl::StatusOr<WritePullHeader> DecodeWritePull(absl::string_view bytes);
@@ -145,6 +182,7 @@ absl::StatusOr<ReadStartHeader> DecodeReadStart(absl::string_view bytes);
 absl::StatusOr<ReadStatusHeader> DecodeReadStatus(absl::string_view bytes);
 absl::StatusOr<ReleaseBufferHeader> DecodeReleaseBuffer(
     absl::string_view bytes);
+absl::StatusOr<ReadDataHeader> DecodeReadData(absl::string_view bytes);
 
 }  // namespace kvcache::ucx
 
