@@ -617,6 +617,191 @@ TEST_P(UcxTest, ConnectionsWithoutAValidTokenAreClosed) {
   ASSERT_TRUE(got.ok()) << got.status();
 }
 
+// The client side of data messages (kAmReadData), against a fake node: a
+// piece outside the read's region fails the read and is never written; a
+// status that counts messages still in flight waits for them, so a read
+// reports its layers only once their bytes are in place.
+class FakeNode {
+ public:
+  // Called on the fake node's progress thread for each ReadStart, with the
+  // endpoint back to the client.
+  using OnRead =
+      std::function<void(ucp_ep_h reply, const ucx::ReadStartHeader& h)>;
+
+  FakeNode() {
+    auto loop = ucx::WorkerLoop::Start({});
+    EXPECT_TRUE(loop.ok()) << loop.status();
+    if (!loop.ok()) return;
+    loop_ = *std::move(loop);
+    std::promise<void> ready;
+    EXPECT_TRUE(loop_->Post([&] {
+      ucp_am_handler_param_t param;
+      std::memset(&param, 0, sizeof(param));
+      param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                         UCP_AM_HANDLER_PARAM_FIELD_CB |
+                         UCP_AM_HANDLER_PARAM_FIELD_ARG;
+      param.id = ucx::kAmReadStart;
+      param.cb = &FakeNode::OnReadStart;
+      param.arg = this;
+      EXPECT_EQ(ucp_worker_set_am_recv_handler(loop_->worker().get(), &param),
+                UCS_OK);
+      address_ = *loop_->worker().Address();
+      ready.set_value();
+    }));
+    ready.get_future().wait();
+  }
+  ~FakeNode() {
+    if (loop_ != nullptr) loop_->Stop(nullptr);
+  }
+
+  void set_on_read(OnRead on_read) {
+    std::lock_guard<std::mutex> lock(mu_);
+    on_read_ = std::move(on_read);
+  }
+  const std::string& address() const { return address_; }
+
+  // Sends one message; `header` and `data` must outlive it (data: static
+  // or owned by the test).
+  static void Send(ucp_ep_h ep, unsigned id, std::string header,
+                   const void* data, size_t length) {
+    ucx::Operation::Start(
+        ucx::Operation::Kind::kSend,
+        [ep, id, data, length](const ucp_request_param_t& param,
+                               absl::string_view kept) {
+          ucp_request_param_t p = param;
+          if (length >= ucx::kRendezvousBytes) {
+            p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+            p.flags = UCP_AM_SEND_FLAG_RNDV;
+          }
+          return ucp_am_send_nbx(ep, id, kept.data(), kept.size(), data, length,
+                                 &p);
+        },
+        [](absl::Status) {}, std::move(header));
+  }
+  static void SendData(ucp_ep_h ep, const ucx::ReadStartHeader& h,
+                       uint32_t block, uint64_t offset, const void* data,
+                       size_t length) {
+    ucx::ReadDataHeader d;
+    d.read_id = h.read_id;
+    d.token = h.token;
+    d.block = block;
+    d.offset = offset;
+    Send(ep, ucx::kAmReadData, ucx::Encode(d), data, length);
+  }
+  static void SendStatus(ucp_ep_h ep, const ucx::ReadStartHeader& h,
+                         uint32_t data_messages) {
+    ucx::ReadStatusHeader s;
+    s.read_id = h.read_id;
+    s.token = h.token;
+    s.layers_done = 1;
+    s.num_layers = 1;
+    s.has_data_messages = true;
+    s.data_messages = data_messages;
+    Send(ep, ucx::kAmReadStatus, ucx::Encode(s), nullptr, 0);
+  }
+
+ private:
+  static ucs_status_t OnReadStart(void* arg, const void* header,
+                                  size_t header_length, void*, size_t,
+                                  const ucp_am_recv_param_t* param) noexcept {
+    auto* self = static_cast<FakeNode*>(arg);
+    auto h = ucx::DecodeReadStart(
+        absl::string_view(static_cast<const char*>(header), header_length));
+    EXPECT_TRUE(h.ok()) << h.status();
+    EXPECT_NE(h->flags & ucx::kReadFlagMessages, 0);
+    OnRead on_read;
+    {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      on_read = self->on_read_;
+    }
+    if (h.ok() && on_read &&
+        (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
+      on_read(param->reply_ep, *h);
+    }
+    return UCS_OK;
+  }
+
+  std::unique_ptr<ucx::WorkerLoop> loop_;
+  std::string address_;
+  std::mutex mu_;
+  OnRead on_read_;
+};
+
+TEST_P(UcxTest, DataMessagesLandOnlyInsideTheReadsRegion) {
+  FakeNode fake;
+  ASSERT_FALSE(fake.address().empty());
+  auto plane = ucx::ClientPlane::Create();
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  ucx::NodeAddress address;
+  address.listener = "127.0.0.1:1";  // unused: the worker address is set
+  address.worker = fake.address();
+  address.message_reads = true;
+  // Two blocks of 256 KiB in a region with 64 KiB of guard bytes after
+  // them: a rendezvous-sized piece and a small (eager) one per block.
+  constexpr size_t kBlock = 256 << 10;
+  constexpr size_t kGuard = 64 << 10;
+  static std::vector<uint8_t> payload(kBlock);
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = i * 7 + 3;
+  auto read_with = [&](uint64_t read_id, FakeNode::OnRead on_read,
+                       std::vector<uint8_t>* landed) -> absl::Status {
+    fake.set_on_read(std::move(on_read));
+    auto region = (*plane)->Allocate(2 * kBlock + kGuard);
+    if (!region.ok()) return region.status();
+    std::shared_ptr<ucx::MemoryRegion> shared = *std::move(region);
+    std::memset(shared->data(), 0xEE, shared->size());
+    const uint64_t base = reinterpret_cast<uint64_t>(shared->data());
+    auto read = (*plane)->StartRead(address, read_id, *ucx::NewToken(), shared,
+                                    {base, base + kBlock}, 1,
+                                    /*per_layer=*/false);
+    if (!read.ok()) return read.status();
+    absl::Status st = (*read)->WaitLayers(1, absl::Now() + absl::Seconds(10));
+    read->reset();
+    landed->assign(shared->data(), shared->data() + shared->size());
+    return st;
+  };
+  std::vector<uint8_t> landed;
+  const uint8_t* data = payload.data();
+
+  // In place: block 1 as one rendezvous piece, block 0 as an eager piece of
+  // 1 KiB at offset 4 KiB; the status comes first and counts both.
+  absl::Status st = read_with(
+      1,
+      [data](ucp_ep_h ep, const ucx::ReadStartHeader& h) {
+        FakeNode::SendStatus(ep, h, 2);
+        FakeNode::SendData(ep, h, 1, 0, data, kBlock);
+        FakeNode::SendData(ep, h, 0, 4096, data, 1024);
+      },
+      &landed);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_TRUE(std::equal(data, data + kBlock, landed.begin() + kBlock));
+  EXPECT_TRUE(std::equal(data, data + 1024, landed.begin() + 4096));
+  EXPECT_EQ(landed[4095], 0xEE);
+  EXPECT_EQ(landed[4096 + 1024], 0xEE);
+
+  // Outside the region, eager and by rendezvous, and a block the read does
+  // not have: each fails the read and writes nothing.
+  struct Bad {
+    uint32_t block;
+    uint64_t offset;
+    size_t length;
+  };
+  for (const Bad& bad :
+       {Bad{1, kBlock + kGuard - 512, 1024}, Bad{1, kBlock + kGuard, kBlock},
+        Bad{2, 0, 1024}, Bad{0, UINT64_MAX - 100, 1024}}) {
+    st = read_with(
+        2,
+        [data, bad](ucp_ep_h ep, const ucx::ReadStartHeader& h) {
+          FakeNode::SendData(ep, h, bad.block, bad.offset, data, bad.length);
+          FakeNode::SendStatus(ep, h, 1);
+        },
+        &landed);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+    EXPECT_TRUE(std::all_of(landed.begin(), landed.end(),
+                            [](uint8_t b) { return b == 0xEE; }))
+        << "block " << bad.block << " offset " << bad.offset;
+  }
+}
+
 // A read whose destinations do not lie inside the region it registered is
 // refused before anything is put (over shared memory such a put would be a
 // memcpy outside the node's mapping of the client's segment): below the

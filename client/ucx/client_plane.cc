@@ -540,17 +540,18 @@ ucs_status_t ClientPlane::OnReadData(
     size_t length, const ucp_am_recv_param_t* param) noexcept {
   auto* self = static_cast<ClientPlane*>(arg);
   const bool rendezvous = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-  // A rendezvous descriptor that is not received must be released.
-  auto drop = [&] {
-    if (rendezvous) ucp_am_data_release(self->loop_->worker().get(), data);
-    return UCS_OK;
+  // A rendezvous piece that is not received is dropped by returning from
+  // this callback (not by ucp_am_data_release, which UCX 1.13 does not
+  // allow here); an error status fails the node's send.
+  auto drop = [rendezvous](ucs_status_t why) {
+    return rendezvous ? why : UCS_OK;
   };
   absl::StatusOr<ReadDataHeader> h = DecodeReadData(
       absl::string_view(static_cast<const char*>(header), header_length));
-  if (!h.ok()) return drop();
+  if (!h.ok()) return drop(UCS_ERR_INVALID_PARAM);
   const std::string token = TokenBytes(h->token);
   std::shared_ptr<ReadState> state = self->FindRead(token);
-  if (state == nullptr) return drop();
+  if (state == nullptr) return drop(UCS_OK);  // a read that has ended
   // The node names a block and an offset; the bytes must fall inside the
   // region this read registered.
   uint64_t at = 0;
@@ -564,7 +565,7 @@ ucs_status_t ClientPlane::OnReadData(
                       absl::StrCat("the node sent ", length, " bytes of block ",
                                    h->block, " at offset ", h->offset,
                                    ", outside the read's destination region")));
-    return drop();
+    return drop(UCS_ERR_INVALID_PARAM);
   }
   void* destination = reinterpret_cast<void*>(at);
   if (!rendezvous) {
