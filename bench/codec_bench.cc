@@ -86,6 +86,27 @@ void BM_Memcpy(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * int64_t(in.size() * 2));
 }
 
+// 1 MiB copies cycling through a source of `source_mib` MiB into a 32 MiB
+// destination, per thread: the memory-bound copy a node makes for reads,
+// against ucx_perftest's single cache-hot buffer (source_mib = 1).
+// docs/benchmarks.md, UCX data plane.
+void BM_MemcpyWorkingSet(benchmark::State& state) {
+  constexpr size_t kPiece = 1 << 20;
+  constexpr size_t kDestinationBytes = 32 << 20;
+  const size_t source_bytes = static_cast<size_t>(state.range(0)) << 20;
+  std::vector<uint8_t> source(source_bytes, 1);
+  std::vector<uint8_t> destination(kDestinationBytes, 2);
+  size_t from = 0;
+  size_t to = 0;
+  for (auto _ : state) {
+    std::memcpy(destination.data() + to, source.data() + from, kPiece);
+    benchmark::ClobberMemory();
+    from = (from + kPiece) % source_bytes;
+    to = (to + kPiece) % kDestinationBytes;
+  }
+  state.SetBytesProcessed(state.iterations() * int64_t{kPiece});
+}
+
 enum class Op { kEncode, kDecode };
 enum class Path { kReference, kSimd };
 
@@ -144,6 +165,13 @@ void CodecArgs(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK(BM_Memcpy)->ArgName("layers")->Arg(1)->Arg(32);
+BENCHMARK(BM_MemcpyWorkingSet)
+    ->ArgName("source_mib")
+    ->Arg(1)
+    ->Arg(1024)
+    ->Threads(1)
+    ->Threads(2)
+    ->UseRealTime();
 BENCHMARK(BM_Codec<Op::kEncode, Path::kSimd>)
     ->Name("encode/simd")
     ->Apply(CodecArgs);
