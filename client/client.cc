@@ -657,6 +657,10 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
     bool sent = false;      // the bytes went over the data plane
     bool pulled = false;    // ... and the node takes them from a DataBuffer
     std::string pull_node;  // when pulled: the node's NodeAddress::key()
+    // Blocks copied into a DataBuffer of the client's pool for a node that
+    // pulls (see below); declared before `regions` so that it goes back to
+    // the pool after them, when nothing else holds its region.
+    std::unique_ptr<DataBuffer> staged;
     // Blocks that lie in a DataBuffer go with its registration (held until
     // the commit has answered: a node that pulls reads the buffer until
     // then).
@@ -692,6 +696,40 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
                          reinterpret_cast<uintptr_t>(data)});
       }
       pullable = pullable && !pulls.empty();
+      if (!pullable && !pulls.empty() && node.pull_writes &&
+          !impl_->PullRefused(node.key())) {
+        // Blocks outside one DataBuffer, to a node that may share memory
+        // with us: one copy into a pooled DataBuffer here, and the node
+        // encodes from it, where UCX's rendezvous over shared memory would
+        // copy each block twice (kvcache-bench --put-source=heap,
+        // docs/benchmarks.md). A node that cannot map it refuses once.
+        constexpr size_t kAlign = 64;
+        size_t total = 0;
+        for (const ucx::ClientPlane::Block& b : sends) {
+          total += (b.bytes.size() + kAlign - 1) / kAlign * kAlign;
+        }
+        absl::StatusOr<std::unique_ptr<DataBuffer>> buffer =
+            AllocateBuffer(total);
+        uint64_t staged_id = 0;
+        std::shared_ptr<ucx::MemoryRegion> region =
+            buffer.ok() ? impl_->BufferHolding((*buffer)->data(),
+                                               (*buffer)->size(), &staged_id)
+                        : nullptr;
+        if (region != nullptr) {
+          size_t at = 0;
+          for (size_t j = 0; j < sends.size(); ++j) {
+            const absl::Span<const uint8_t> bytes = sends[j].bytes;
+            std::memcpy((*buffer)->data() + at, bytes.data(), bytes.size());
+            pulls[j].address =
+                reinterpret_cast<uintptr_t>((*buffer)->data() + at);
+            at += (bytes.size() + kAlign - 1) / kAlign * kAlign;
+          }
+          regions.insert(regions.begin(), std::move(region));
+          pull_buffer = staged_id;
+          pullable = true;
+          staged = *std::move(buffer);
+        }
+      }
       absl::Status st = [&]() -> absl::Status {
         // Once sent, the bytes travel to the end (bounded by the deadline):
         // a cancel does not cut a transfer short.

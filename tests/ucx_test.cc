@@ -864,9 +864,9 @@ TEST_P(UcxTest, ReadDestinationsOutsideTheRegionAreRefused) {
 // Puts from a DataBuffer: where the node can map the buffer (shared
 // memory) it encodes the blocks straight from it (kAmWritePull, counted in
 // pulled_blocks); over tcp it cannot, refuses the pull, and the client
-// sends that node blocks from then on. Either way the stored bytes are the
-// encoding of the input, bit for bit, and a put from heap memory is never
-// pulled.
+// sends that node blocks from then on. A put from heap memory to a node
+// that pulls is copied into a pooled DataBuffer and pulled from there.
+// Either way the stored bytes are the encoding of the input, bit for bit.
 TEST_P(UcxTest, PutsFromADataBufferArePulledWhereTheNodeCanMapThem) {
   const bool shm = !GetParam().tcp();
   const kernels::BlockShape shape = LargeShape();
@@ -892,12 +892,13 @@ TEST_P(UcxTest, PutsFromADataBufferArePulledWhereTheNodeCanMapThem) {
     EXPECT_EQ(put->stored, 4u);
     EXPECT_EQ(node_->data_plane()->Stats().pulled_blocks - pulled_before,
               shm ? 4u : 0u);
-    // A put from heap memory goes as active messages.
+    // A put from heap memory: staged into a pooled DataBuffer and pulled
+    // on shared memory, sent as active messages over tcp.
     std::vector<uint16_t> heap = RandomBlock(shape, 200);
     auto heap_put = client_->Put(ns, {{Key(200), Key(103), heap}});
     ASSERT_TRUE(heap_put.ok()) << heap_put.status();
     EXPECT_EQ(node_->data_plane()->Stats().pulled_blocks - pulled_before,
-              shm ? 4u : 0u);
+              shm ? 5u : 0u);
     inputs.push_back(heap);
     std::vector<std::string> keys = {Key(100), Key(101), Key(102), Key(103),
                                      Key(200)};
@@ -922,7 +923,7 @@ TEST_P(UcxTest, PutsFromADataBufferArePulledWhereTheNodeCanMapThem) {
                 absl::StrCat("kvcache_data_plane_pulled_blocks_total ",
                              node_->data_plane()->Stats().pulled_blocks, "\n")),
             std::string::npos);
-  EXPECT_EQ(node_->data_plane()->Stats().pulled_blocks, shm ? 8u : 0u);
+  EXPECT_EQ(node_->data_plane()->Stats().pulled_blocks, shm ? 10u : 0u);
   // A pulled block the node refuses (an infinity: INVALID_ARGUMENT from the
   // encoder) fails the Put, which returns only once the node has dropped
   // the write; nothing is left behind and the buffer can be used again.
@@ -944,6 +945,16 @@ TEST_P(UcxTest, PutsFromADataBufferArePulledWhereTheNodeCanMapThem) {
     block[17] = 0;
     std::memcpy((*buffer)->data(), block.data(), stride);
     put = client_->Put("pull-bad", {{Key(300), "", fp16}});
+    ASSERT_TRUE(put.ok()) << put.status();
+    EXPECT_EQ(put->stored, 1u);
+    // The same from heap memory (staged, on shared memory).
+    block[17] = 0xFC00;  // -inf
+    put = client_->Put("pull-bad", {{Key(301), "", block}});
+    EXPECT_EQ(put.status().code(), absl::StatusCode::kInvalidArgument)
+        << put.status();
+    ExpectNothingHeld(absl::Seconds(10));
+    block[17] = 0;
+    put = client_->Put("pull-bad", {{Key(301), "", block}});
     ASSERT_TRUE(put.ok()) << put.status();
     EXPECT_EQ(put->stored, 1u);
   }
