@@ -113,7 +113,6 @@ struct DataPlane::ReadSession {
   std::shared_ptr<RemoteKey> rkey;
   uint32_t outstanding = 0;  // puts, flushes and status sends in flight
   uint32_t layers_done = 0;
-  bool by_messages = false;    // kAmReadData instead of puts
   uint32_t data_messages = 0;  // kAmReadData messages issued
   absl::Status error;
   bool finished = false;
@@ -995,7 +994,6 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
     if (!status.ok() && session->error.ok()) session->error = status;
     ReleaseIfIdle(*session);
   };
-  session->by_messages = by_messages;
   // Piece [start, start + length) of block b, from src.
   auto put = [&](const uint8_t* src, uint64_t length, size_t b,
                  uint64_t start) {
