@@ -377,6 +377,12 @@ std::function<void()> DataPlane::TakeForCommitLocked(uint64_t write_id) {
   if (!session->error.ok()) {
     return [store, session] {
       store->AbortWrite(session->id).IgnoreError();
+      // Staging returns before the reply, so that a client that sends the
+      // batch again at once (a refused pull) finds it free; a receive still
+      // in flight keeps its own buffer until it completes.
+      for (std::shared_ptr<StagingBuffer>& buffer : session->buffers) {
+        buffer.reset();
+      }
       CommitDone done = std::move(session->waiter);
       done(session->error);
     };
@@ -568,7 +574,9 @@ void DataPlane::HandleWriteBlock(Connection* conn, absl::string_view header,
           if (status.ok()) {
             session->slots[index] = WriteSession::Slot::kLanded;
             --session->awaiting;
-            stage = StageLocked(session, index);
+            // A failed write has answered and let its staging go: nothing
+            // to encode.
+            if (session->error.ok()) stage = StageLocked(session, index);
           } else if (session->error.ok()) {
             session->error = absl::UnavailableError(absl::StrCat(
                 "block ", index, " did not arrive: ", status.message()));

@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -102,6 +103,18 @@ absl::StatusOr<std::unique_ptr<Context>> Context::Create(
                                  "ucp_config_read");
       !s.ok()) {
     return s;
+  }
+  static constexpr std::pair<const char*, const char*> kDefaults[] = {
+      {"KEEPALIVE_INTERVAL", "1s"},
+  };
+  for (const auto& [setting, value] : kDefaults) {
+    if (std::getenv(absl::StrCat("UCX_", setting).c_str()) != nullptr) continue;
+    if (absl::Status s = UcxStatus(ucp_config_modify(config, setting, value),
+                                   absl::StrCat("ucp_config_modify ", setting));
+        !s.ok()) {
+      ucp_config_release(config);
+      return s;
+    }
   }
   std::string owned_name(name);
   ucp_params_t params;

@@ -35,6 +35,14 @@ namespace kvcache::ucx {
 // ucp_context_h with the AM, RMA and WAKEUP features.
 class Context {
  public:
+  // Settings of every context of this product, each unless the
+  // environment sets it (name without the UCX_ prefix):
+  //  * KEEPALIVE_INTERVAL=1s (UCX: 20 s). Endpoints of one peer worker
+  //    share its transport connection; after a peer closed one endpoint
+  //    (an abandoned read), a new endpoint to it could stay silently dead
+  //    until keepalive found the old one broken, so a read over it hung
+  //    until its deadline. Keepalive checks the transport, not the peer's
+  //    responsiveness, so a node that pauses is not declared dead by it.
   static absl::StatusOr<std::unique_ptr<Context>> Create(
       absl::string_view name);
   ~Context();
