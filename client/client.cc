@@ -211,6 +211,9 @@ std::string TargetHost(absl::string_view target) {
   return std::string(target);  // a bare IPv6 address without a port
 }
 
+// Blocks packed into one region start on cache lines.
+uint64_t CacheLineRound(uint64_t bytes) { return (bytes + 63) / 64 * 64; }
+
 }  // namespace
 
 struct Client::Impl {
@@ -307,6 +310,34 @@ struct Client::Impl {
     if (start + n > it->first + it->second.size) return nullptr;
     *id = it->second.id;
     return it->second.region.lock();
+  }
+
+  // Copies the blocks of `sends` into one DataBuffer from `client`'s pool,
+  // points `pulls` (same order) at the copies, and returns its region (its
+  // id in *buffer_id, the buffer in *staged), or null when no registered
+  // memory could be had.
+  std::shared_ptr<ucx::MemoryRegion> StageForPull(
+      Client* client, absl::Span<const ucx::ClientPlane::Block> sends,
+      absl::Span<ucx::ClientPlane::PullBlock> pulls,
+      std::unique_ptr<DataBuffer>* staged, uint64_t* buffer_id) {
+    uint64_t total = 0;
+    for (const ucx::ClientPlane::Block& b : sends) {
+      total += CacheLineRound(b.bytes.size());
+    }
+    absl::StatusOr<std::unique_ptr<DataBuffer>> buffer =
+        client->AllocateBuffer(total);
+    if (!buffer.ok()) return nullptr;
+    std::shared_ptr<ucx::MemoryRegion> region =
+        BufferHolding((*buffer)->data(), (*buffer)->size(), buffer_id);
+    if (region == nullptr) return nullptr;
+    uint8_t* at = (*buffer)->data();
+    for (size_t j = 0; j < sends.size(); ++j) {
+      std::memcpy(at, sends[j].bytes.data(), sends[j].bytes.size());
+      pulls[j].address = reinterpret_cast<uintptr_t>(at);
+      at += CacheLineRound(sends[j].bytes.size());
+    }
+    *staged = *std::move(buffer);
+    return region;
   }
 
   CallScope Scope(const CallOptions& call) const {
@@ -703,31 +734,13 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
         // encodes from it, where UCX's rendezvous over shared memory would
         // copy each block twice (kvcache-bench --put-source=heap,
         // docs/benchmarks.md). A node that cannot map it refuses once.
-        constexpr size_t kAlign = 64;
-        size_t total = 0;
-        for (const ucx::ClientPlane::Block& b : sends) {
-          total += (b.bytes.size() + kAlign - 1) / kAlign * kAlign;
-        }
-        absl::StatusOr<std::unique_ptr<DataBuffer>> buffer =
-            AllocateBuffer(total);
         uint64_t staged_id = 0;
-        std::shared_ptr<ucx::MemoryRegion> region =
-            buffer.ok() ? impl_->BufferHolding((*buffer)->data(),
-                                               (*buffer)->size(), &staged_id)
-                        : nullptr;
+        std::shared_ptr<ucx::MemoryRegion> region = impl_->StageForPull(
+            this, sends, absl::MakeSpan(pulls), &staged, &staged_id);
         if (region != nullptr) {
-          size_t at = 0;
-          for (size_t j = 0; j < sends.size(); ++j) {
-            const absl::Span<const uint8_t> bytes = sends[j].bytes;
-            std::memcpy((*buffer)->data() + at, bytes.data(), bytes.size());
-            pulls[j].address =
-                reinterpret_cast<uintptr_t>((*buffer)->data() + at);
-            at += (bytes.size() + kAlign - 1) / kAlign * kAlign;
-          }
           regions.insert(regions.begin(), std::move(region));
           pull_buffer = staged_id;
           pullable = true;
-          staged = *std::move(buffer);
         }
       }
       absl::Status st = [&]() -> absl::Status {
@@ -861,7 +874,7 @@ absl::StatusOr<GetResult> Client::Get(const std::string& ns,
   uint64_t total = 0;
   for (const v1::BlockData& b : response.blocks()) {
     offsets.push_back(total);
-    total += (b.length() + 63) / 64 * 64;
+    total += CacheLineRound(b.length());
   }
   absl::Status st = [&]() -> absl::Status {
     absl::StatusOr<ucx::ClientPlane*> ucx_plane = impl_->Plane();
