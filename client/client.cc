@@ -474,6 +474,8 @@ struct Client::Impl {
     address.bounded_reads = info.bounded_reads();
     address.pull_writes = info.pull_writes();
     address.message_reads = info.message_reads();
+    address.tcp_segments.tx_bytes = info.tcp_tx_seg_bytes();
+    address.tcp_segments.rx_bytes = info.tcp_rx_seg_bytes();
     return address;
   }
 

@@ -60,6 +60,12 @@ void DescribeRead(const store::ReadResult& r, v1::BeginReadResponse* response) {
   proto::ShapeToProto(r.ns.config.shape, response->mutable_layout());
 }
 
+// What clients check before they connect over UCX (DataPlaneInfo).
+void SetTcpSegments(const ucx::TcpSegments& segments, v1::DataPlaneInfo* info) {
+  info->set_tcp_tx_seg_bytes(segments.tx_bytes);
+  info->set_tcp_rx_seg_bytes(segments.rx_bytes);
+}
+
 }  // namespace
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
@@ -213,6 +219,8 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginWrite(
           data_plane_->worker_address());
       response->mutable_data_plane()->set_token(ucx::TokenBytes(*token));
       response->mutable_data_plane()->set_pull_writes(true);
+      SetTcpSegments(data_plane_->tcp_segments(),
+                     response->mutable_data_plane());
     }
     response->set_write_id(r->write_id);
     for (bool present : r->present) response->add_present(present);
@@ -345,6 +353,7 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   response->mutable_data_plane()->set_token(ucx::TokenBytes(*token));
   response->mutable_data_plane()->set_bounded_reads(true);
   response->mutable_data_plane()->set_message_reads(true);
+  SetTcpSegments(data_plane_->tcp_segments(), response->mutable_data_plane());
   return absl::OkStatus();
 }
 
@@ -385,6 +394,9 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::EndRead(
     grpc::CallbackServerContext* ctx, const v1::EndReadRequest* request,
     v1::EndReadResponse* response) {
   return Run(ctx, "end_read", false, [=]() -> absl::Status {
+    if (data_plane_ != nullptr && data_plane_->EndRead(request->lease_id())) {
+      return absl::OkStatus();  // the transfer's end ends the lease
+    }
     return store_->EndLease(request->lease_id());
   });
 }

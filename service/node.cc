@@ -120,8 +120,15 @@ absl::Status Node::Start() {
       metrics_port_ ? absl::StrCat(", metrics on port ", metrics_port_)
                     : std::string(),
       data_plane_
-          ? absl::StrCat(", UCX data plane on port ", data_plane_->port(),
-                         " (staging ", options_.ucx.staging_bytes, " bytes)")
+          ? absl::StrCat(
+                ", UCX data plane on port ", data_plane_->port(), " (staging ",
+                options_.ucx.staging_bytes, " bytes",
+                data_plane_->tcp_segments().in_use()
+                    ? absl::StrCat(", TCP segments tx ",
+                                   data_plane_->tcp_segments().tx_bytes, " rx ",
+                                   data_plane_->tcp_segments().rx_bytes)
+                    : std::string(),
+                ")")
           : std::string(),
       "; ", arena_description, ", page size ", options_.store.page_size,
       ", default codec ", kernels::CodecName(options_.store.default_codec)));

@@ -22,6 +22,7 @@
 #include <functional>
 #include <future>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -37,6 +38,7 @@
 #include "service/metrics.h"
 #include "service/node.h"
 #include "service/ucx/handles.h"
+#include "service/ucx/tcp_segments.h"
 #include "service/ucx/wire.h"
 #include "service/ucx/worker_loop.h"
 #include "tests/test_util.h"
@@ -1068,6 +1070,161 @@ TEST_P(UcxTest, AutoFallsBackToGrpcAndUcxOnlyRefusesANodeWithoutDataPlane) {
       absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(ucx_client->Get("ns", Keys(0, 2)).status().code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// One environment variable set for a scope (UCX reads its configuration
+// when a context is created), restored however the scope ends.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (old_.has_value()) {
+      setenv(name_, old_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+uint64_t TransferBytes(const std::string& metrics, const char* direction,
+                       const char* transport) {
+  const std::string series =
+      absl::StrCat("kvcache_transfer_bytes_total{direction=\"", direction,
+                   "\",transport=\"", transport, "\"} ");
+  size_t at = metrics.find(series);
+  if (at == std::string::npos) return 0;
+  return std::strtoull(metrics.c_str() + at + series.size(), nullptr, 10);
+}
+
+// UCX 1.13 aborts a process that receives a TCP fragment larger than its
+// receive segment: a client with UCX_TCP_RX_SEG_SIZE=1m (16x the node's)
+// would kill the node with its first large put, and the node's reads would
+// kill it. The client compares the sizes the node advertises with its own
+// and keeps off UCX instead: kAuto moves the bytes over gRPC, kUcx fails
+// with UNAVAILABLE naming the setting; the node serves on. The read the
+// node opened for UCX is dropped when the client ends it over gRPC, not at
+// its TTL (ExpectNothingHeld). Without TCP (shared memory) the setting does
+// not matter and UCX is used.
+TEST_P(UcxTest, MismatchedTcpSegmentSizesKeepTheClientOffUcxNotAbortingAPeer) {
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("seg", Codec::kNone, LargeShape())).ok());
+  std::unique_ptr<Client> auto_client;
+  std::unique_ptr<Client> ucx_client;
+  absl::StatusOr<PutResult> auto_put;
+  absl::StatusOr<PutResult> ucx_put;
+  {
+    // Each client's UCX starts with its first data-plane call.
+    ScopedEnv big_segments("UCX_TCP_RX_SEG_SIZE", "1m");
+    auto_client = NewClient(DataPlane::kAuto);
+    ucx_client = NewClient(DataPlane::kUcx);
+    auto_put = PutChain(auto_client.get(), "seg", LargeShape(), 0, 3);
+    ucx_put = PutChain(ucx_client.get(), "seg", LargeShape(), 3, 1);
+  }
+  ASSERT_TRUE(auto_put.ok()) << auto_put.status();
+  auto got = auto_client->Get("seg", Keys(0, 3));
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(got->blocks[i].bytes.size(), data_[i].size() * 2);
+    EXPECT_EQ(std::memcmp(got->blocks[i].bytes.data(), data_[i].data(),
+                          data_[i].size() * 2),
+              0)
+        << "block " << i;
+  }
+  std::string metrics = node_->metrics()->Render();
+  if (GetParam().tcp()) {
+    EXPECT_EQ(ucx_put.status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_NE(ucx_put.status().message().find("UCX_TCP_RX_SEG_SIZE"),
+              std::string::npos)
+        << ucx_put.status();
+    EXPECT_EQ(TransferBytes(metrics, "in", "ucx"), 0u);
+    EXPECT_EQ(TransferBytes(metrics, "out", "ucx"), 0u);
+    EXPECT_GE(TransferBytes(metrics, "in", "grpc"), 3 * data_[0].size() * 2);
+    EXPECT_GE(TransferBytes(metrics, "out", "grpc"), 3 * data_[0].size() * 2);
+  } else {
+    EXPECT_TRUE(ucx_put.ok()) << ucx_put.status();
+    EXPECT_GE(TransferBytes(metrics, "in", "ucx"), 4 * data_[0].size() * 2);
+    EXPECT_EQ(TransferBytes(metrics, "in", "grpc"), 0u);
+  }
+  // The node serves on, over UCX, for a client configured like it.
+  ASSERT_TRUE(PutChain(client_.get(), "seg", LargeShape(), 10, 2).ok());
+  auto again = client_->Get("seg", Keys(10, 2));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(std::memcmp(again->blocks[1].bytes.data(), data_[11].data(),
+                        data_[11].size() * 2),
+            0);
+  EXPECT_GT(TransferBytes(node_->metrics()->Render(), "in", "ucx"), 0u);
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
+TEST(TcpSegmentsTest, ParsesUcxMemoryUnits) {
+  EXPECT_EQ(*ucx::ParseMemoryUnits("64K"), 65536u);
+  EXPECT_EQ(*ucx::ParseMemoryUnits("8kb"), 8192u);
+  EXPECT_EQ(*ucx::ParseMemoryUnits("1M"), 1048576u);
+  EXPECT_EQ(*ucx::ParseMemoryUnits("2G"), uint64_t{2} << 30);
+  EXPECT_EQ(*ucx::ParseMemoryUnits("100000"), 100000u);
+  EXPECT_EQ(*ucx::ParseMemoryUnits("inf"), UINT64_MAX);
+  for (const char* bad : {"", "1.5m", "12X", "K", "64KK", "99999999999999G"}) {
+    EXPECT_EQ(ucx::ParseMemoryUnits(bad).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+}
+
+TEST(TcpSegmentsTest, PeersFitWhenEachSendsNoMoreThanTheOtherReceives) {
+  const ucx::TcpSegments defaults{8192, 65536};
+  const ucx::TcpSegments big{8192, 1 << 20};
+  const ucx::TcpSegments big_tx{65536, 65536};
+  const ucx::TcpSegments too_big_tx{1 << 20, 65536};
+  const ucx::TcpSegments none{};
+  EXPECT_TRUE(ucx::CheckTcpSegments(defaults, defaults).ok());
+  EXPECT_TRUE(ucx::CheckTcpSegments(big, big).ok());
+  EXPECT_TRUE(ucx::CheckTcpSegments(big_tx, defaults).ok());
+  EXPECT_TRUE(ucx::CheckTcpSegments(defaults, big_tx).ok());
+  EXPECT_TRUE(ucx::CheckTcpSegments(none, big).ok());
+  EXPECT_TRUE(ucx::CheckTcpSegments(big, none).ok());
+  for (auto [local, node] :
+       {std::pair{big, defaults}, std::pair{defaults, big},
+        std::pair{too_big_tx, defaults}, std::pair{defaults, too_big_tx}}) {
+    absl::Status fits = ucx::CheckTcpSegments(local, node);
+    EXPECT_EQ(fits.code(), absl::StatusCode::kUnavailable);
+    EXPECT_NE(fits.message().find("UCX_TCP_RX_SEG_SIZE"), std::string::npos);
+  }
+}
+
+// The sizes come from the environment, as UCX reads them; a context without
+// TCP has none.
+TEST(TcpSegmentsTest, ReadsTheSizesAContextRunsWith) {
+  ScopedEnv devices("UCX_NET_DEVICES", "lo");
+  {
+    ScopedEnv tls("UCX_TLS", "tcp");
+    auto context = ucx::Context::Create("tcp-segments-test");
+    ASSERT_TRUE(context.ok()) << context.status();
+    auto segments = ucx::ReadTcpSegments(**context);
+    ASSERT_TRUE(segments.ok()) << segments.status();
+    EXPECT_GT(segments->tx_bytes, 0u);
+    EXPECT_GT(segments->rx_bytes, 0u);
+    ScopedEnv rx("UCX_TCP_RX_SEG_SIZE", "1m");
+    ScopedEnv tx("UCX_TCP_TX_SEG_SIZE", "16k");
+    auto configured = ucx::Context::Create("tcp-segments-test");
+    ASSERT_TRUE(configured.ok()) << configured.status();
+    segments = ucx::ReadTcpSegments(**configured);
+    ASSERT_TRUE(segments.ok()) << segments.status();
+    EXPECT_EQ(segments->rx_bytes, 1u << 20);
+    EXPECT_EQ(segments->tx_bytes, 16u << 10);
+  }
+  ScopedEnv tls("UCX_TLS", "posix,sysv,self");
+  auto context = ucx::Context::Create("tcp-segments-test");
+  ASSERT_TRUE(context.ok()) << context.status();
+  auto segments = ucx::ReadTcpSegments(**context);
+  ASSERT_TRUE(segments.ok()) << segments.status();
+  EXPECT_FALSE(segments->in_use());
 }
 
 // The headers data messages add: a status with and without its message

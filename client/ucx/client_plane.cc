@@ -167,8 +167,11 @@ absl::StatusOr<std::unique_ptr<ClientPlane>> ClientPlane::Create() {
   options.name = "kvcache-client";
   absl::StatusOr<std::unique_ptr<WorkerLoop>> loop = WorkerLoop::Start(options);
   if (!loop.ok()) return loop.status();
+  absl::StatusOr<TcpSegments> segments = ReadTcpSegments((*loop)->context());
+  if (!segments.ok()) return segments.status();
   std::unique_ptr<ClientPlane> plane =
       absl::WrapUnique(new ClientPlane(*std::move(loop)));
+  plane->tcp_segments_ = *segments;
   if (absl::Status s = plane->InstallHandlers(); !s.ok()) return s;
   return plane;
 }
@@ -241,6 +244,17 @@ absl::StatusOr<ClientPlane::Connection*> ClientPlane::GetConnection(
   const std::string key = address.key();
   auto it = connections_.find(key);
   if (it != connections_.end()) return it->second.get();
+  // Before any byte moves: sizes that would make UCX abort this process or
+  // the node keep this node off UCX (the caller may use gRPC instead).
+  if (absl::Status fits = CheckTcpSegments(tcp_segments_, address.tcp_segments);
+      !fits.ok()) {
+    if (refused_segments_.insert(key).second) {
+      std::fprintf(stderr, "kvcache client: not using UCX with %s: %s\n",
+                   address.listener.c_str(),
+                   std::string(fits.message()).c_str());
+    }
+    return fits;
+  }
   bool peer_errors = true;
   absl::StatusOr<std::unique_ptr<Endpoint>> ep =
       address.worker.empty()

@@ -36,12 +36,14 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kvcache/call_options.h"
 #include "service/ucx/handles.h"
+#include "service/ucx/tcp_segments.h"
 #include "service/ucx/wire.h"
 #include "service/ucx/worker_loop.h"
 
@@ -61,6 +63,10 @@ struct NodeAddress {
   // The node can send read data as messages (DataPlaneInfo.message_reads):
   // reads accept them.
   bool message_reads = false;
+  // The node's UCX TCP segment sizes (DataPlaneInfo.tcp_*_seg_bytes; zero:
+  // no TCP, or a node that does not say). A node whose sizes and this
+  // process's would abort one side is not connected to: UNAVAILABLE.
+  TcpSegments tcp_segments;
   // Connections are kept per node under this key; a node that restarts
   // has a new worker address, so a new key.
   std::string key() const { return listener + "|" + worker; }
@@ -167,9 +173,12 @@ class ClientPlane {
                const absl::Status& status);
 
   std::unique_ptr<WorkerLoop> loop_;
+  TcpSegments tcp_segments_;  // this process's, read once by Create
   // Loop thread only.
   absl::flat_hash_map<std::string, std::unique_ptr<Connection>> connections_;
   absl::flat_hash_map<ucp_ep_h, std::string> address_by_ep_;
+  // Nodes refused for their TCP segment sizes, each reported once.
+  absl::flat_hash_set<std::string> refused_segments_;
   // Reads in progress: token -> the key of their connection.
   absl::flat_hash_map<std::string, std::string> read_connection_;
   uint64_t next_connection_id_ = 1;

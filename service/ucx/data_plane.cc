@@ -140,6 +140,13 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(
       WorkerLoop::Start(loop_options);
   if (!loop.ok()) return loop.status();
   plane->loop_ = *std::move(loop);
+  absl::StatusOr<TcpSegments> segments =
+      ReadTcpSegments(plane->loop_->context());
+  if (!segments.ok()) {
+    plane->Stop();
+    return segments.status();
+  }
+  plane->tcp_segments_ = *segments;
   if (absl::Status s = plane->Listen(); !s.ok()) {
     plane->Stop();
     return s;
@@ -622,6 +629,17 @@ absl::StatusOr<Token> DataPlane::OpenRead(
   if (draining_) return absl::UnavailableError("the node is draining");
   reads_[session->id] = std::move(session);
   return *token;
+}
+
+bool DataPlane::EndRead(uint64_t lease_id) {
+  std::shared_ptr<ReadSession> dropped;  // freed outside the lock
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = reads_.find(lease_id);
+  if (it == reads_.end()) return false;
+  if (it->second->state != ReadSession::State::kWaiting) return true;
+  dropped = std::move(it->second);
+  reads_.erase(it);
+  return false;
 }
 
 ucs_status_t DataPlane::OnReadStart(void* arg, const void* header,

@@ -72,6 +72,7 @@
 #include "absl/time/time.h"
 #include "service/ucx/handles.h"
 #include "service/ucx/staging.h"
+#include "service/ucx/tcp_segments.h"
 #include "service/ucx/wire.h"
 #include "service/ucx/worker_loop.h"
 #include "store/store.h"
@@ -144,6 +145,10 @@ class DataPlane {
   // The worker's packed UCX address (DataPlaneInfo.worker_address).
   const std::string& worker_address() const { return worker_address_; }
   int port() const { return port_; }
+  // The UCX TCP segment sizes of this node (DataPlaneInfo.tcp_*_seg_bytes;
+  // zero without TCP): clients whose sizes would abort one side stay off
+  // UCX with this node (service/ucx/tcp_segments.h).
+  const TcpSegments& tcp_segments() const { return tcp_segments_; }
 
   // After Store::BeginWrite succeeded: a session for `begin.write_id`, with
   // staging for each block not present. RESOURCE_EXHAUSTED when staging is
@@ -168,6 +173,13 @@ class DataPlane {
                                  std::vector<std::vector<uint64_t>> layer_ends,
                                  StagingReservation reservation,
                                  absl::Time deadline);
+  // EndRead (gRPC) for `lease_id`. A read session the client has not
+  // started (it fell back to gRPC, or gave up) is dropped now, its staging
+  // returned, and false is returned: the caller ends the store lease. True
+  // when a transfer of it is under way: the session ends the lease itself
+  // when the transfer ends (at the latest at its deadline), so that pinned
+  // pages are never released under a put. False when there is no session.
+  bool EndRead(uint64_t lease_id);
 
   // Called periodically (the node's reaper): fails commit waits past their
   // deadline, drops expired sessions, closes connections that never
@@ -298,6 +310,7 @@ class DataPlane {
   std::string address_;
   std::string worker_address_;
   int port_ = 0;
+  TcpSegments tcp_segments_;  // set before Start returns
 
   // Loop thread only.
   std::unique_ptr<Listener> listener_;
