@@ -19,6 +19,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "proto/convert.h"
+#include "service/ucx/tcp_segments.h"
 
 namespace kvcache {
 namespace {
@@ -34,6 +35,9 @@ constexpr absl::Duration kPulledWriteGrace = absl::Seconds(5);
 constexpr size_t kMessageSlack = 64 << 10;
 // The longest a best-effort cleanup RPC (AbortWrite, EndRead) may take.
 constexpr absl::Duration kCleanupTimeout = absl::Seconds(5);
+// How long a kAuto client keeps off the data plane of a node whose UCX TCP
+// segment sizes do not fit its own (a rolling restart may fix them).
+constexpr absl::Duration kSegmentRefusalRetry = absl::Seconds(30);
 
 std::chrono::system_clock::time_point Chrono(absl::Time t) {
   if (t == absl::InfiniteFuture()) {
@@ -224,6 +228,11 @@ struct Client::Impl {
   std::mutex plane_mu;
   std::unique_ptr<ucx::ClientPlane> plane;  // guarded by plane_mu; lazy
   absl::Status plane_error;                 // guarded by plane_mu; sticky
+  // kAuto: the node's UCX TCP segment sizes would abort one of us
+  // (service/ucx/tcp_segments.h); calls go inline without asking for the
+  // data plane until then, so that each does not first open a UCX session
+  // only to drop it. Guarded by plane_mu.
+  absl::Time plane_refused_until = absl::InfinitePast();
 
   // Registered DataBuffers by first byte.
   struct Buffer {
@@ -444,6 +453,23 @@ struct Client::Impl {
     if (options.data_plane == DataPlane::kGrpc) return false;
     std::lock_guard<std::mutex> lock(plane_mu);
     return plane_error.ok();
+  }
+
+  // Whether a call asks the node for the data plane: WantDataPlane(), and
+  // with kAuto not while the node's segment sizes keep us off UCX.
+  bool AskForDataPlane() {
+    if (!WantDataPlane()) return false;
+    if (options.data_plane != DataPlane::kAuto) return true;
+    std::lock_guard<std::mutex> lock(plane_mu);
+    return absl::Now() >= plane_refused_until;
+  }
+  // A data-plane attempt that kAuto answers inline failed with `status`.
+  // A segment-size refusal stands until the node may have been restarted
+  // with other sizes: asked again after kSegmentRefusalRetry.
+  void NoteFallback(const absl::Status& status) {
+    if (!ucx::IsTcpSegmentsMismatch(status)) return;
+    std::lock_guard<std::mutex> lock(plane_mu);
+    plane_refused_until = absl::Now() + kSegmentRefusalRetry;
   }
 
   // The UCX side of this client, started on first use.
@@ -670,7 +696,7 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
     }
     v1::BeginWriteRequest begin_request;
     begin_request.set_namespace_name(ns);
-    begin_request.set_use_data_plane(impl_->WantDataPlane());
+    begin_request.set_use_data_plane(impl_->AskForDataPlane());
     for (size_t i = begin; i < end; ++i) {
       v1::BlockRef* ref = begin_request.add_blocks();
       ref->set_key(blocks[i].key);
@@ -776,6 +802,7 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
         }
         if (st.code() == absl::StatusCode::kUnavailable &&
             impl_->options.data_plane == DataPlane::kAuto) {
+          impl_->NoteFallback(st);
           impl_->RefusePulls(pull_node);
           continue;  // again without a pull, which then falls back inline
         }
@@ -789,6 +816,7 @@ absl::StatusOr<PutResult> Client::Put(const std::string& ns,
         impl_->AbortWriteAsync(begin_response.write_id());
         return st;
       }
+      if (!st.ok()) impl_->NoteFallback(st);
     } else if (impl_->options.data_plane == DataPlane::kUcx) {
       impl_->AbortWriteAsync(begin_response.write_id());
       return absl::FailedPreconditionError(
@@ -854,7 +882,7 @@ absl::StatusOr<GetResult> Client::Get(const std::string& ns,
                                       const ReadOptions& read,
                                       const CallOptions& call) {
   const CallScope scope = impl_->Scope(call);
-  const bool want = impl_->WantDataPlane();
+  const bool want = impl_->AskForDataPlane();
   absl::StatusOr<Impl::Begun> begun = impl_->BeginRead(
       ns, keys, read, read.pin_lease, /*inline_data=*/!want, scope);
   if (!begun.ok()) return begun.status();
@@ -917,6 +945,7 @@ absl::StatusOr<GetResult> Client::Get(const std::string& ns,
   impl_->AbandonRead(response.read_id());
   if (impl_->options.data_plane == DataPlane::kAuto &&
       st.code() == absl::StatusCode::kUnavailable) {
+    impl_->NoteFallback(st);
     absl::StatusOr<Impl::Begun> again =
         impl_->BeginRead(ns, keys, read, 0, /*inline_data=*/true, scope);
     if (!again.ok()) return again.status();
@@ -986,7 +1015,7 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
     return impl;
   };
 
-  const bool want = impl_->WantDataPlane();
+  const bool want = impl_->AskForDataPlane();
   absl::StatusOr<Impl::Begun> begun = impl_->BeginRead(
       ns, keys, read, read.pin_lease, /*inline_data=*/!want, scope);
   if (!begun.ok()) return begun.status();
@@ -1040,6 +1069,7 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
   // pin lease, if any, was taken over by the first attempt).
   if (impl_->options.data_plane == DataPlane::kAuto &&
       st.code() == absl::StatusCode::kUnavailable) {
+    impl_->NoteFallback(st);
     absl::StatusOr<Impl::Begun> again =
         impl_->BeginRead(ns, keys, read, 0, /*inline_data=*/true, scope);
     if (!again.ok()) return again.status();

@@ -1137,6 +1137,38 @@ TEST_P(UcxTest, MismatchedTcpSegmentSizesKeepTheClientOffUcxNotAbortingAPeer) {
               0)
         << "block " << i;
   }
+  // The refusal stands for the kAuto client (the put met it): its reads go
+  // inline at once instead of opening a UCX read first and ending it.
+  auto end_reads = [&] {
+    const std::string series =
+        "kvcache_requests_total{code=\"OK\",op=\"end_read\"} ";
+    std::string text = node_->metrics()->Render();
+    size_t at = text.find(series);
+    return at == std::string::npos
+               ? uint64_t{0}
+               : std::strtoull(text.c_str() + at + series.size(), nullptr, 10);
+  };
+  for (int i = 0; i < 3; ++i) {
+    auto more = auto_client->Get("seg", Keys(0, 3));
+    ASSERT_TRUE(more.ok()) << more.status();
+    ASSERT_TRUE(
+        PutChain(auto_client.get(), "seg", LargeShape(), 20 + i, 1).ok());
+  }
+  absl::SleepFor(absl::Milliseconds(100));  // EndRead would be sent async
+  EXPECT_EQ(end_reads(), 0u);
+  // A kUcx read is refused after the node opened it; the client's EndRead
+  // drops that read at once, not at its 30 s TTL (ExpectNothingHeld below).
+  auto ucx_get = ucx_client->Get("seg", Keys(0, 3));
+  if (GetParam().tcp()) {
+    EXPECT_EQ(ucx_get.status().code(), absl::StatusCode::kUnavailable);
+    for (absl::Time until = absl::Now() + absl::Seconds(5);
+         end_reads() < 1 && absl::Now() < until;) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    EXPECT_EQ(end_reads(), 1u);
+  } else {
+    EXPECT_TRUE(ucx_get.ok()) << ucx_get.status();
+  }
   std::string metrics = node_->metrics()->Render();
   if (GetParam().tcp()) {
     EXPECT_EQ(ucx_put.status().code(), absl::StatusCode::kUnavailable);
@@ -1195,7 +1227,11 @@ TEST(TcpSegmentsTest, PeersFitWhenEachSendsNoMoreThanTheOtherReceives) {
     absl::Status fits = ucx::CheckTcpSegments(local, node);
     EXPECT_EQ(fits.code(), absl::StatusCode::kUnavailable);
     EXPECT_NE(fits.message().find("UCX_TCP_RX_SEG_SIZE"), std::string::npos);
+    EXPECT_TRUE(ucx::IsTcpSegmentsMismatch(fits));
   }
+  EXPECT_FALSE(ucx::IsTcpSegmentsMismatch(
+      absl::UnavailableError("UCX_TCP_RX_SEG_SIZE in another error")));
+  EXPECT_FALSE(ucx::IsTcpSegmentsMismatch(absl::OkStatus()));
 }
 
 // The sizes come from the environment, as UCX reads them; a context without

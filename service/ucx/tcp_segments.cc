@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -18,6 +19,9 @@
 
 namespace kvcache::ucx {
 namespace {
+
+constexpr absl::string_view kMismatchPayload =
+    "type.kvcache.dev/kvcache.ucx.TcpSegmentsMismatch";
 
 // RAII owners of the UCT objects read here (released in reverse order).
 struct ComponentListFree {
@@ -178,7 +182,7 @@ absl::Status CheckTcpSegments(const TcpSegments& local,
       node.largest_send() <= local.rx_bytes) {
     return absl::OkStatus();
   }
-  return absl::UnavailableError(absl::StrCat(
+  absl::Status refused = absl::UnavailableError(absl::StrCat(
       "UCX TCP segment sizes would abort a peer (UCX 1.13 asserts on a "
       "fragment larger than its receive segment): this process has "
       "UCX_TCP_TX_SEG_SIZE=",
@@ -186,6 +190,13 @@ absl::Status CheckTcpSegments(const TcpSegments& local,
       node.tx_bytes, " RX ", node.rx_bytes,
       "; set the same UCX_TCP_RX_SEG_SIZE (and a TX_SEG_SIZE no larger) on "
       "every node and client (docs/operations.md, \"UCX over TCP\")"));
+  refused.SetPayload(kMismatchPayload, absl::Cord());
+  return refused;
+}
+
+bool IsTcpSegmentsMismatch(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kUnavailable &&
+         status.GetPayload(kMismatchPayload).has_value();
 }
 
 }  // namespace kvcache::ucx

@@ -50,9 +50,14 @@ absl::StatusOr<uint64_t> ParseMemoryUnits(absl::string_view text);
 
 // OK when each side's largest fragment fits the other's receive segment, or
 // either side does not use TCP. Otherwise UNAVAILABLE, naming both sizes and
-// the fix; `local` is this process, `node` the node it would connect to.
+// the fix, that IsTcpSegmentsMismatch() recognizes; `local` is this
+// process, `node` the node it would connect to.
 absl::Status CheckTcpSegments(const TcpSegments& local,
                               const TcpSegments& node);
+
+// Whether `status` is CheckTcpSegments' refusal (it carries a payload that
+// survives being passed on, where its text may be prefixed).
+bool IsTcpSegmentsMismatch(const absl::Status& status);
 
 }  // namespace kvcache::ucx
 
