@@ -20,10 +20,18 @@
 //    pt-put and pt-am).
 //  * ratio = kvcache MiB/s / ucx_perftest MiB/s (get vs ucp_put_bw, put vs
 //    ucp_am_bw), for the first size and stream count given.
+//  * cpu-s/GiB: CPU seconds (user + system) spent per GiB moved. Ours: this
+//    process over the measurement (client and, without --node, the node:
+//    both ends, as ucx_perftest's); ucx_perftest's: its two processes
+//    (wait4), warm-up included in the bytes. cpu ratio = perftest's / ours,
+//    a machine-independent view of how close to the transport's own cost a
+//    transfer is (on a CPU-bound machine it caps the MiB/s ratio).
 // Without --node the node runs in this process (--data-plane=ucx on
 // 127.0.0.1), with --memory bytes of host arena.
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -189,8 +197,23 @@ kvcache::BlockShape ShapeFor(uint64_t bytes) {
   return {static_cast<uint32_t>(bytes / (64 << 10)), 8, 128, 16};
 }
 
+// CPU seconds (user + system) of `u`.
+double CpuSeconds(const rusage& u) {
+  return u.ru_utime.tv_sec + u.ru_utime.tv_usec * 1e-6 + u.ru_stime.tv_sec +
+         u.ru_stime.tv_usec * 1e-6;
+}
+
+double ProcessCpuSeconds() {
+  rusage u;
+  getrusage(RUSAGE_SELF, &u);
+  return CpuSeconds(u);
+}
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
 struct Measurement {
   double mib_per_s = 0;
+  double cpu_s_per_gib = 0;
   double p50_ms = 0, p90_ms = 0, p99_ms = 0;
   uint64_t calls = 0;
   absl::Status status;
@@ -211,6 +234,7 @@ Measurement Measure(int streams, absl::Duration seconds, Fn call) {
   std::vector<uint64_t> bytes(streams, 0);
   std::vector<absl::Status> errors(streams);
   std::atomic<bool> stop{false};
+  const double cpu_start = ProcessCpuSeconds();
   absl::Time start = absl::Now();
   std::vector<std::thread> threads;
   for (int s = 0; s < streams; ++s) {
@@ -231,6 +255,7 @@ Measurement Measure(int streams, absl::Duration seconds, Fn call) {
   }
   for (std::thread& t : threads) t.join();
   double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+  const double cpu = ProcessCpuSeconds() - cpu_start;
   Measurement m;
   std::vector<double> all;
   uint64_t total = 0;
@@ -241,6 +266,7 @@ Measurement Measure(int streams, absl::Duration seconds, Fn call) {
   }
   m.calls = all.size();
   m.mib_per_s = total / elapsed / (1 << 20);
+  m.cpu_s_per_gib = total > 0 ? cpu / (total / kGiB) : 0;
   m.p50_ms = Percentile(all, 0.50);
   m.p90_ms = Percentile(all, 0.90);
   m.p99_ms = Percentile(all, 0.99);
@@ -266,10 +292,14 @@ Summary Repeat(int runs, Fn once) {
   return {all[all.size() / 2], all.front().mib_per_s, all.back().mib_per_s};
 }
 
-// ucx_perftest between two spawned processes on loopback: MiB/s of the
-// "overall" bandwidth column, or an error.
-absl::StatusOr<double> Perftest(const std::string& test, uint64_t size,
-                                int port) {
+struct PerftestResult {
+  double mib_per_s = 0;      // the "overall" bandwidth column
+  double cpu_s_per_gib = 0;  // both processes, warm-up bytes included
+};
+
+// ucx_perftest between two spawned processes on loopback, or an error.
+absl::StatusOr<PerftestResult> Perftest(const std::string& test, uint64_t size,
+                                        int port) {
   const std::string sz = absl::StrCat(size);
   const uint64_t iters =
       std::max<uint64_t>(200, std::min<uint64_t>(20000, (4ull << 30) / size));
@@ -288,6 +318,7 @@ absl::StatusOr<double> Perftest(const std::string& test, uint64_t size,
   }
   if (server < 0) return absl::InternalError("fork failed");
   std::string output;
+  double cpu = 0;  // of the client run that succeeded, then of the server
   absl::Status status = absl::UnavailableError("ucx_perftest client failed");
   for (int attempt = 0; attempt < 50 && !status.ok(); ++attempt) {
     absl::SleepFor(absl::Milliseconds(100));
@@ -311,13 +342,18 @@ absl::StatusOr<double> Perftest(const std::string& test, uint64_t size,
     while ((r = read(fds[0], buf, sizeof(buf))) > 0) output.append(buf, r);
     close(fds[0]);
     int wstatus = 0;
-    waitpid(client, &wstatus, 0);
+    rusage usage;
+    wait4(client, &wstatus, 0, &usage);
     if (WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0 && !output.empty()) {
       status = absl::OkStatus();
+      cpu = CpuSeconds(usage);
     }
   }
+  // The server ends with its test; SIGTERM only for one that did not.
   kill(server, SIGTERM);
-  waitpid(server, nullptr, 0);
+  rusage server_usage;
+  wait4(server, nullptr, 0, &server_usage);
+  cpu += CpuSeconds(server_usage);
   if (!status.ok()) return status;
   // The last line of numbers: iterations, lat 50%, lat avg, lat overall,
   // bw avg, bw overall (MB/s = 2^20 B/s), msg rate avg, msg rate overall.
@@ -339,7 +375,13 @@ absl::StatusOr<double> Perftest(const std::string& test, uint64_t size,
     return absl::InternalError(
         absl::StrCat("cannot parse ucx_perftest output: ", output));
   }
-  return numbers[5];
+  PerftestResult result;
+  result.mib_per_s = numbers[5];
+  const double bytes =
+      static_cast<double>(iters + std::max<uint64_t>(20, iters / 10)) *
+      static_cast<double>(size);
+  result.cpu_s_per_gib = cpu / (bytes / kGiB);
+  return result;
 }
 
 std::vector<uint16_t> Block(const kvcache::BlockShape& shape, uint64_t seed) {
@@ -381,9 +423,10 @@ int Run(const Config& config) {
   std::printf("kvcache-bench: node %s%s, UCX_TLS=%s, %d run(s) of %.1f s\n",
               target.c_str(), node ? " (in process)" : "", tls ? tls : "(all)",
               config.runs, absl::ToDoubleSeconds(config.seconds));
-  std::printf("%-6s %8s %7s %5s %10s %18s %8s %8s %8s %12s %7s\n", "op", "size",
-              "streams", "batch", "MiB/s", "(min..max)", "p50 ms", "p90 ms",
-              "p99 ms", "perftest", "ratio");
+  std::printf("%-6s %8s %7s %5s %10s %18s %8s %8s %8s %12s %7s %9s %9s %9s\n",
+              "op", "size", "streams", "batch", "MiB/s", "(min..max)", "p50 ms",
+              "p90 ms", "p99 ms", "perftest", "ratio", "cpu-s/GiB", "pt cpu",
+              "cpu ratio");
 
   kvcache::ClientOptions copts;
   copts.target = target;
@@ -495,33 +538,41 @@ int Run(const Config& config) {
 
     // ucx_perftest, as many runs as ours; the median.
     double perf_am = 0, perf_put = 0;
+    double perf_am_cpu = 0, perf_put_cpu = 0;  // CPU-s per GiB, medians
     if (config.perftest) {
-      std::vector<double> am_runs, put_runs;
+      std::vector<double> am_runs, put_runs, am_cpu, put_cpu;
       for (int r = 0; r < config.runs; ++r) {
-        absl::StatusOr<double> am = Perftest("ucp_am_bw", size, port++);
-        absl::StatusOr<double> put = Perftest("ucp_put_bw", size, port++);
+        absl::StatusOr<PerftestResult> am = Perftest("ucp_am_bw", size, port++);
+        absl::StatusOr<PerftestResult> put =
+            Perftest("ucp_put_bw", size, port++);
         if (!am.ok() || !put.ok()) {
           std::fprintf(
               stderr, "ucx_perftest: %s\n",
               std::string((!am.ok() ? am : put).status().message()).c_str());
           return 1;
         }
-        am_runs.push_back(*am);
-        put_runs.push_back(*put);
+        am_runs.push_back(am->mib_per_s);
+        put_runs.push_back(put->mib_per_s);
+        am_cpu.push_back(am->cpu_s_per_gib);
+        put_cpu.push_back(put->cpu_s_per_gib);
       }
-      std::sort(am_runs.begin(), am_runs.end());
-      std::sort(put_runs.begin(), put_runs.end());
+      for (auto* v : {&am_runs, &put_runs, &am_cpu, &put_cpu}) {
+        std::sort(v->begin(), v->end());
+      }
       perf_am = am_runs[am_runs.size() / 2];
       perf_put = put_runs[put_runs.size() / 2];
-      for (const auto& [name, runs] :
-           {std::pair<const char*, const std::vector<double>&>{"pt-put",
-                                                               put_runs},
-            {"pt-am", am_runs}}) {
+      perf_am_cpu = am_cpu[am_cpu.size() / 2];
+      perf_put_cpu = put_cpu[put_cpu.size() / 2];
+      for (const auto& [name, runs, cpu] :
+           {std::tuple<const char*, const std::vector<double>&, double>{
+                "pt-put", put_runs, perf_put_cpu},
+            {"pt-am", am_runs, perf_am_cpu}}) {
         std::string range =
             absl::StrCat("(", static_cast<int>(runs.front()), "..",
                          static_cast<int>(runs.back()), ")");
-        std::printf("%-6s %8s %7s %5s %10.0f %18s\n", name, tag.c_str(), "-",
-                    "-", runs[runs.size() / 2], range.c_str());
+        std::printf("%-6s %8s %7s %5s %10.0f %18s %8s %8s %8s %12s %7s %9.3f\n",
+                    name, tag.c_str(), "-", "-", runs[runs.size() / 2],
+                    range.c_str(), "", "", "", "", "", cpu);
       }
     }
 
@@ -595,10 +646,10 @@ int Run(const Config& config) {
                            return static_cast<uint64_t>(batch) * size;
                          });
         });
-      for (const auto& [op, summary, perf] :
-           {std::tuple<const char*, const Summary&, double>{"get", get,
-                                                            perf_put},
-            {"put", put, perf_am}}) {
+      for (const auto& [op, summary, perf, perf_cpu] :
+           {std::tuple<const char*, const Summary&, double, double>{
+                "get", get, perf_put, perf_put_cpu},
+            {"put", put, perf_am, perf_am_cpu}}) {
         if (std::string(op) == "get" ? !config.run_get : !config.run_put) {
           continue;
         }
@@ -608,15 +659,17 @@ int Run(const Config& config) {
           return 1;
         }
         double ratio = perf > 0 ? summary.median.mib_per_s / perf : 0;
+        const double cpu = summary.median.cpu_s_per_gib;
+        double cpu_ratio = perf_cpu > 0 && cpu > 0 ? perf_cpu / cpu : 0;
         std::string range =
             absl::StrCat("(", static_cast<int>(summary.min_mib), "..",
                          static_cast<int>(summary.max_mib), ")");
         std::printf(
             "%-6s %8s %7d %5d %10.0f %18s %8.3f %8.3f %8.3f %12.0f "
-            "%7.2f\n",
+            "%7.2f %9.3f %9.3f %9.2f\n",
             op, tag.c_str(), streams, batch, summary.median.mib_per_s,
             range.c_str(), summary.median.p50_ms, summary.median.p90_ms,
-            summary.median.p99_ms, perf, ratio);
+            summary.median.p99_ms, perf, ratio, cpu, perf_cpu, cpu_ratio);
         double& first =
             std::string(op) == "get" ? first_get_ratio : first_put_ratio;
         if (first < 0) first = ratio;
