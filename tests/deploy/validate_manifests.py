@@ -181,6 +181,18 @@ def policy_errors(docs, overlay):
     for name, flag in (("grpc", "listen"), ("health", "health-listen"), ("metrics", "metrics-listen")):
         if ports.get(name) != port_of(flags[flag]):
             errs.append(f"container port {name}={ports.get(name)} but --{flag}={flags[flag]}")
+    if "ucx-listen" in flags and ports.get("ucx") != port_of(flags["ucx-listen"]):
+        errs.append(f"container port ucx={ports.get('ucx')} but --ucx-listen={flags['ucx-listen']}")
+    # Over TCP the data flows on UCX's interface port, random unless
+    # UCX_TCP_PORT_RANGE pins it: pinned, and declared as ucx-tcp.
+    if flags.get("data-plane") == "ucx":
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        pinned = env.get("UCX_TCP_PORT_RANGE", "")
+        low, _, high = pinned.partition("-")
+        if not (low.isdigit() and high.isdigit()):
+            errs.append(f"--data-plane=ucx without a UCX_TCP_PORT_RANGE of LOW-HIGH ({pinned!r})")
+        elif not int(low) <= ports.get("ucx-tcp", -1) <= int(high):
+            errs.append(f"container port ucx-tcp={ports.get('ucx-tcp')} outside UCX_TCP_PORT_RANGE={pinned}")
     health = port_of(flags["health-listen"])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         p = c.get(probe)
