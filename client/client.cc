@@ -35,9 +35,10 @@ constexpr absl::Duration kPulledWriteGrace = absl::Seconds(5);
 constexpr size_t kMessageSlack = 64 << 10;
 // The longest a best-effort cleanup RPC (AbortWrite, EndRead) may take.
 constexpr absl::Duration kCleanupTimeout = absl::Seconds(5);
-// How long a kAuto client keeps off the data plane of a node whose UCX TCP
-// segment sizes do not fit its own (a rolling restart may fix them).
-constexpr absl::Duration kSegmentRefusalRetry = absl::Seconds(30);
+// How long a kAuto client keeps off the data plane of a node it could not
+// use: UCX TCP segment sizes that do not fit its own, or a data-plane
+// address that does not answer (a restart or a fix may change either).
+constexpr absl::Duration kUnusablePlaneRetry = absl::Seconds(30);
 
 std::chrono::system_clock::time_point Chrono(absl::Time t) {
   if (t == absl::InfiniteFuture()) {
@@ -228,10 +229,11 @@ struct Client::Impl {
   std::mutex plane_mu;
   std::unique_ptr<ucx::ClientPlane> plane;  // guarded by plane_mu; lazy
   absl::Status plane_error;                 // guarded by plane_mu; sticky
-  // kAuto: the node's UCX TCP segment sizes would abort one of us
-  // (service/ucx/tcp_segments.h); calls go inline without asking for the
-  // data plane until then, so that each does not first open a UCX session
-  // only to drop it. Guarded by plane_mu.
+  // kAuto: the node's data plane cannot be used from here (its UCX TCP
+  // segment sizes would abort one of us, service/ucx/tcp_segments.h; or it
+  // does not answer, ucx::kConnectTimeout); calls go inline without asking
+  // for it until then, so that each does not first open a UCX session only
+  // to drop it (or wait for a connection). Guarded by plane_mu.
   absl::Time plane_refused_until = absl::InfinitePast();
 
   // Registered DataBuffers by first byte.
@@ -456,7 +458,7 @@ struct Client::Impl {
   }
 
   // Whether a call asks the node for the data plane: WantDataPlane(), and
-  // with kAuto not while the node's segment sizes keep us off UCX.
+  // with kAuto not while that node's data plane is known unusable.
   bool AskForDataPlane() {
     if (!WantDataPlane()) return false;
     if (options.data_plane != DataPlane::kAuto) return true;
@@ -464,12 +466,15 @@ struct Client::Impl {
     return absl::Now() >= plane_refused_until;
   }
   // A data-plane attempt that kAuto answers inline failed with `status`.
-  // A segment-size refusal stands until the node may have been restarted
-  // with other sizes: asked again after kSegmentRefusalRetry.
+  // A segment-size refusal or a connection that never came up stands until
+  // the node may have changed: asked again after kUnusablePlaneRetry.
   void NoteFallback(const absl::Status& status) {
-    if (!ucx::IsTcpSegmentsMismatch(status)) return;
+    if (!ucx::IsTcpSegmentsMismatch(status) &&
+        !ucx::IsDataPlaneNotConnected(status)) {
+      return;
+    }
     std::lock_guard<std::mutex> lock(plane_mu);
-    plane_refused_until = absl::Now() + kSegmentRefusalRetry;
+    plane_refused_until = absl::Now() + kUnusablePlaneRetry;
   }
 
   // The UCX side of this client, started on first use.

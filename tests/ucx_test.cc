@@ -41,6 +41,7 @@
 #include "service/ucx/tcp_segments.h"
 #include "service/ucx/wire.h"
 #include "service/ucx/worker_loop.h"
+#include "tests/black_hole.h"
 #include "tests/test_util.h"
 
 namespace kvcache {
@@ -1193,6 +1194,59 @@ TEST_P(UcxTest, MismatchedTcpSegmentSizesKeepTheClientOffUcxNotAbortingAPeer) {
             0);
   EXPECT_GT(TransferBytes(node_->metrics()->Render(), "in", "ucx"), 0u);
   ExpectNothingHeld(absl::Seconds(5));
+}
+
+// A data-plane address that accepts TCP connections but never answers UCX
+// (what a firewall or a wrong address looks like): sends, pulls and reads
+// fail with UNAVAILABLE (IsDataPlaneNotConnected) about kConnectTimeout
+// after they start, not at their 20 s deadline, so that kAuto can still
+// move the bytes over gRPC within the call.
+TEST(UcxConnectTest, AnAddressThatNeverAnswersFailsUnavailableSoon) {
+  ScopedEnv tls("UCX_TLS", "tcp");
+  ScopedEnv devices("UCX_NET_DEVICES", "lo");
+  testing::BlackHole hole;
+  ASSERT_NE(hole.port(), 0);
+  auto plane = ucx::ClientPlane::Create();
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  ucx::NodeAddress address;
+  address.listener = absl::StrCat("127.0.0.1:", hole.port());
+  auto region = (*plane)->Allocate(1 << 20);
+  ASSERT_TRUE(region.ok()) << region.status();
+  const absl::Duration bound = ucx::kConnectTimeout * 3;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  auto expect_not_connected = [&](const absl::Status& status,
+                                  absl::Time started, const char* what) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable)
+        << what << ": " << status;
+    EXPECT_TRUE(ucx::IsDataPlaneNotConnected(status)) << what << ": " << status;
+    EXPECT_GE(absl::Now() - started, ucx::kConnectTimeout) << what;
+    EXPECT_LT(absl::Now() - started, bound) << what;
+  };
+
+  std::vector<uint8_t> bytes(256 << 10, 7);
+  std::vector<ucx::ClientPlane::Block> blocks = {
+      {0, absl::MakeConstSpan(bytes), nullptr},
+      {1, absl::MakeConstSpan(bytes), nullptr}};
+  absl::Time started = absl::Now();
+  expect_not_connected(
+      (*plane)->SendBlocks(address, 1, *ucx::NewToken(), blocks, deadline),
+      started, "send");
+
+  std::vector<ucx::ClientPlane::PullBlock> pulls = {
+      {0, reinterpret_cast<uintptr_t>((*region)->data())}};
+  started = absl::Now();
+  expect_not_connected((*plane)->PullBlocks(address, 2, *ucx::NewToken(),
+                                            **region, 5, pulls, deadline),
+                       started, "pull");
+
+  started = absl::Now();
+  std::shared_ptr<ucx::MemoryRegion> shared = *std::move(region);
+  auto read = (*plane)->StartRead(address, 3, *ucx::NewToken(), shared,
+                                  {0, 512 << 10}, /*num_layers=*/1,
+                                  /*per_layer=*/false);
+  ASSERT_TRUE(read.ok()) << read.status();
+  expect_not_connected((*read)->WaitLayers((*read)->num_layers(), deadline),
+                       started, "read");
 }
 
 TEST(TcpSegmentsTest, ParsesUcxMemoryUnits) {

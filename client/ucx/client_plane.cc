@@ -1,15 +1,18 @@
 #include "client/ucx/client_plane.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <memory>
 #include <optional>
 #include <utility>
 
 #include "absl/functional/function_ref.h"
 #include "absl/memory/memory.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "service/ucx/status.h"
@@ -22,6 +25,12 @@ constexpr absl::Duration kCloseGrace = absl::Seconds(10);
 // How long an abandoned read on a connection without peer failure handling
 // may take to end on its own before its connection is closed anyway.
 constexpr absl::Duration kAbandonGrace = absl::Seconds(5);
+// Waits look at their connection this often (half kConnectTimeout; see
+// ClientPlane::CloseIfNotConnected), so a connection that never comes up
+// fails its calls between kConnectTimeout and 1.5x that after it began.
+constexpr absl::Duration kConnectCheckInterval = absl::Seconds(1);
+constexpr absl::string_view kNotConnectedPayload =
+    "type.kvcache.dev/kvcache.ucx.DataPlaneNotConnected";
 
 std::chrono::system_clock::time_point Chrono(absl::Time t) {
   if (t == absl::InfiniteFuture()) {
@@ -43,6 +52,11 @@ struct SendState {
     pending -= n;
     if (pending == 0) cv.notify_all();
   }
+  // Records why the sends will fail (before they do).
+  void Fail(const absl::Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (status.ok()) status = s;
+  }
   // True when everything completed before `deadline`.
   bool WaitUntil(absl::Time deadline) {
     std::unique_lock<std::mutex> lock(mu);
@@ -56,12 +70,21 @@ void AppendLe(std::string* out, uint64_t v, int bytes) {
     out->push_back(static_cast<char>(v >> (8 * i)));
 }
 
-// Waits for sends until `deadline`; past it, calls `force_close` (which
+// Waits for sends until `deadline`, calling `check_connection` every
+// kConnectCheckInterval meanwhile; past it, calls `force_close` (which
 // fails whatever is in flight) and waits, bounded, for the sends to end, so
 // that no send touches the caller's bytes after this returns.
 absl::Status WaitForSends(SendState& state, absl::Time deadline,
-                          absl::FunctionRef<void()> force_close) {
-  if (!state.WaitUntil(deadline)) {
+                          absl::FunctionRef<void()> force_close,
+                          absl::FunctionRef<void()> check_connection) {
+  for (;;) {
+    const absl::Time next =
+        std::min(deadline, absl::Now() + kConnectCheckInterval);
+    if (state.WaitUntil(next)) break;
+    if (next < deadline) {
+      check_connection();
+      continue;
+    }
     force_close();
     if (!state.WaitUntil(absl::Now() + kCloseGrace)) {
       return absl::InternalError(
@@ -103,6 +126,15 @@ struct ClientPlane::Connection {
   // node's puts into a read's region.
   bool peer_errors = true;
   bool described = false;  // lanes printed (KVCACHE_UCX_DEBUG)
+  // A flush issued when the connection was made completes once UCX has
+  // connected it; one that has not kConnectTimeout after `created` is
+  // closed as UNAVAILABLE (CloseIfNotConnected): a data-plane address that
+  // swallows connections (a firewall, a wrong address) must fail calls
+  // early enough for kAuto to use gRPC, not at their deadline.
+  bool established = false;
+  absl::Time created;
+  // Sends started before it was established: told why, if it never is.
+  std::vector<std::weak_ptr<SendState>> early_sends;
   // Reads in progress on this connection, by token.
   absl::flat_hash_map<std::string, std::shared_ptr<ReadState>> reads;
 };
@@ -270,10 +302,50 @@ absl::StatusOr<ClientPlane::Connection*> ClientPlane::GetConnection(
   conn->listener = address.listener;
   conn->ep = *std::move(ep);
   conn->peer_errors = peer_errors;
+  conn->created = absl::Now();
   Connection* raw = conn.get();
   address_by_ep_[raw->ep->get()] = key;
   connections_[key] = std::move(conn);
+  // Completes once UCX has connected the endpoint (measured: a flush on an
+  // endpoint whose peer never answers stays pending).
+  const ucp_ep_h endpoint = raw->ep->get();
+  Operation::Start(
+      Operation::Kind::kSend,
+      [endpoint](const ucp_request_param_t& param, absl::string_view) {
+        return ucp_ep_flush_nbx(endpoint, &param);
+      },
+      [this, id = raw->id](absl::Status status) {
+        if (!status.ok()) return;  // closed, or failing: its error handler
+        for (auto& [unused, c] : connections_) {
+          if (c->id != id) continue;
+          c->established = true;
+          c->early_sends.clear();
+          return;
+        }
+      });
   return raw;
+}
+
+void ClientPlane::CloseIfNotConnected(const std::string& key) {
+  auto it = connections_.find(key);
+  if (it == connections_.end() || it->second->established) return;
+  Connection& conn = *it->second;
+  if (absl::Now() - conn.created < kConnectTimeout) return;
+  absl::Status why = absl::UnavailableError(absl::StrCat(
+      "the data-plane connection to ", conn.listener,
+      " was not established within ", absl::FormatDuration(kConnectTimeout),
+      " (a firewall, or an address that does not answer UCX; "
+      "docs/operations.md, \"Ports\")"));
+  why.SetPayload(kNotConnectedPayload, absl::Cord());
+  for (std::weak_ptr<SendState>& weak : conn.early_sends) {
+    if (std::shared_ptr<SendState> state = weak.lock()) state->Fail(why);
+  }
+  CloseConnection(conn.id, why);
+}
+
+bool IsDataPlaneNotConnected(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kUnavailable &&
+         status.GetPayload(kNotConnectedPayload).has_value();
 }
 
 void ClientPlane::OnEndpointError(void* arg, ucp_ep_h ep,
@@ -345,6 +417,7 @@ absl::Status ClientPlane::SendBlocks(const NodeAddress& address,
           state->Complete(copy.size(), conn.status());
           return;
         }
+        if (!(*conn)->established) (*conn)->early_sends.push_back(state);
         const ucp_ep_h ep = (*conn)->ep->get();
         for (const Block& block : copy) {
           WriteBlockHeader h;
@@ -381,9 +454,11 @@ absl::Status ClientPlane::SendBlocks(const NodeAddress& address,
         }
       });
   if (!posted) return absl::UnavailableError("the client is closing");
-  return WaitForSends(*state, deadline, [this, key = address.key()] {
-    loop_->Post([this, key] { ForceCloseAddress(key); });
-  });
+  const std::string key = address.key();
+  return WaitForSends(
+      *state, deadline,
+      [this, &key] { loop_->Post([this, key] { ForceCloseAddress(key); }); },
+      [this, &key] { loop_->Post([this, key] { CloseIfNotConnected(key); }); });
 }
 
 absl::Status ClientPlane::PullBlocks(const NodeAddress& address,
@@ -421,6 +496,7 @@ absl::Status ClientPlane::PullBlocks(const NodeAddress& address,
       state->Complete(1, conn.status());
       return;
     }
+    if (!(*conn)->established) (*conn)->early_sends.push_back(state);
     loop_->AddBusy(1);
     SendEagerAm((*conn)->ep->get(), kAmWritePull, std::move(keep), header_size,
                 [this, state](absl::Status status) {
@@ -429,9 +505,11 @@ absl::Status ClientPlane::PullBlocks(const NodeAddress& address,
                 });
   });
   if (!posted) return absl::UnavailableError("the client is closing");
-  return WaitForSends(*state, deadline, [this, key = address.key()] {
-    loop_->Post([this, key] { ForceCloseAddress(key); });
-  });
+  const std::string key = address.key();
+  return WaitForSends(
+      *state, deadline,
+      [this, &key] { loop_->Post([this, key] { ForceCloseAddress(key); }); },
+      [this, &key] { loop_->Post([this, key] { CloseIfNotConnected(key); }); });
 }
 
 // ------------------------------------------------------------------ read
@@ -720,7 +798,20 @@ absl::Status ClientPlane::Read::WaitLayersUntil(
     return state_->finished || state_->layers_done >= layers ||
            (cancelled != nullptr && cancelled->load());
   };
-  if (!state_->cv.wait_until(lock, Chrono(deadline), ready)) {
+  // Meanwhile, a connection that never comes up is closed as UNAVAILABLE
+  // (ClientPlane::CloseIfNotConnected), which ends the read.
+  bool waited = false;
+  for (absl::Time next =
+           std::min(deadline, absl::Now() + kConnectCheckInterval);
+       !(waited = state_->cv.wait_until(lock, Chrono(next), ready)) &&
+       next < deadline;
+       next = std::min(deadline, absl::Now() + kConnectCheckInterval)) {
+    lock.unlock();
+    plane_->loop_->Post(
+        [plane = plane_, key = address_] { plane->CloseIfNotConnected(key); });
+    lock.lock();
+  }
+  if (!waited) {
     const bool close = state_->close_stops_puts;
     lock.unlock();
     // Where closing stops the node, close now so the transfer fails; on

@@ -72,6 +72,15 @@ struct NodeAddress {
   std::string key() const { return listener + "|" + worker; }
 };
 
+// How long a new data-plane connection may take to come up before the
+// operations on it fail with UNAVAILABLE (IsDataPlaneNotConnected), so that
+// an unreachable data plane costs a kAuto call this long, not its deadline.
+inline constexpr absl::Duration kConnectTimeout = absl::Seconds(2);
+
+// Whether `status` is the failure of a connection that never came up
+// within kConnectTimeout.
+bool IsDataPlaneNotConnected(const absl::Status& status);
+
 class ClientPlane {
  public:
   static absl::StatusOr<std::unique_ptr<ClientPlane>> Create();
@@ -165,6 +174,9 @@ class ClientPlane {
   absl::StatusOr<Connection*> GetConnection(const NodeAddress& address);
   void CloseConnection(uint64_t conn_id, const absl::Status& why);
   void ForceCloseAddress(const std::string& address);
+  // Closes the connection of `key` as UNAVAILABLE (IsDataPlaneNotConnected)
+  // if UCX has not connected it kConnectTimeout after it was made.
+  void CloseIfNotConnected(const std::string& key);
   // With KVCACHE_UCX_DEBUG set: prints the connection's transport lanes
   // once, after its first completed transfer.
   void DescribeOnce(const std::string& address);
