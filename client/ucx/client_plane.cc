@@ -131,7 +131,9 @@ struct ClientPlane::Connection {
   // closed as UNAVAILABLE (CloseIfNotConnected): a data-plane address that
   // swallows connections (a firewall, a wrong address) must fail calls
   // early enough for kAuto to use gRPC, not at their deadline.
-  bool established = false;
+  // Shared with the flush's callback, which may run while the connection
+  // is being destroyed (a forced close completes it inside the close).
+  std::shared_ptr<bool> established = std::make_shared<bool>(false);
   absl::Time created;
   // Sends started before it was established: told why, if it never is.
   std::vector<std::weak_ptr<SendState>> early_sends;
@@ -314,21 +316,16 @@ absl::StatusOr<ClientPlane::Connection*> ClientPlane::GetConnection(
       [endpoint](const ucp_request_param_t& param, absl::string_view) {
         return ucp_ep_flush_nbx(endpoint, &param);
       },
-      [this, id = raw->id](absl::Status status) {
-        if (!status.ok()) return;  // closed, or failing: its error handler
-        for (auto& [unused, c] : connections_) {
-          if (c->id != id) continue;
-          c->established = true;
-          c->early_sends.clear();
-          return;
-        }
+      [established = raw->established](absl::Status status) {
+        // An error: closed, or failing (its error handler closes it).
+        if (status.ok()) *established = true;
       });
   return raw;
 }
 
 void ClientPlane::CloseIfNotConnected(const std::string& key) {
   auto it = connections_.find(key);
-  if (it == connections_.end() || it->second->established) return;
+  if (it == connections_.end() || *it->second->established) return;
   Connection& conn = *it->second;
   if (absl::Now() - conn.created < kConnectTimeout) return;
   absl::Status why = absl::UnavailableError(absl::StrCat(
@@ -417,7 +414,7 @@ absl::Status ClientPlane::SendBlocks(const NodeAddress& address,
           state->Complete(copy.size(), conn.status());
           return;
         }
-        if (!(*conn)->established) (*conn)->early_sends.push_back(state);
+        if (!*(*conn)->established) (*conn)->early_sends.push_back(state);
         const ucp_ep_h ep = (*conn)->ep->get();
         for (const Block& block : copy) {
           WriteBlockHeader h;
@@ -496,7 +493,7 @@ absl::Status ClientPlane::PullBlocks(const NodeAddress& address,
       state->Complete(1, conn.status());
       return;
     }
-    if (!(*conn)->established) (*conn)->early_sends.push_back(state);
+    if (!*(*conn)->established) (*conn)->early_sends.push_back(state);
     loop_->AddBusy(1);
     SendEagerAm((*conn)->ep->get(), kAmWritePull, std::move(keep), header_size,
                 [this, state](absl::Status status) {
