@@ -1196,6 +1196,145 @@ TEST_P(UcxTest, MismatchedTcpSegmentSizesKeepTheClientOffUcxNotAbortingAPeer) {
   ExpectNothingHeld(absl::Seconds(5));
 }
 
+// A gRPC front for a real node that advertises another data-plane address:
+// `listener`, and no worker address. What a client sees when the address a
+// node advertises takes connections but never answers UCX.
+class RedirectingFront final : public v1::KvCache::Service {
+ public:
+  RedirectingFront(const std::string& node_target, std::string listener)
+      : stub_(v1::KvCache::NewStub(grpc::CreateCustomChannel(
+            node_target, grpc::InsecureChannelCredentials(), Arguments()))),
+        listener_(std::move(listener)) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                             &port_);
+    builder.SetMaxReceiveMessageSize(64 << 20);
+    builder.SetMaxSendMessageSize(64 << 20);
+    builder.RegisterService(this);
+    server_ = builder.BuildAndStart();
+  }
+  ~RedirectingFront() override { server_->Shutdown(); }
+  std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
+
+  grpc::Status RegisterNamespace(
+      grpc::ServerContext*, const v1::RegisterNamespaceRequest* request,
+      v1::RegisterNamespaceResponse* response) override {
+    return Forward(&Stub::RegisterNamespace, *request, response);
+  }
+  grpc::Status BeginWrite(grpc::ServerContext*,
+                          const v1::BeginWriteRequest* request,
+                          v1::BeginWriteResponse* response) override {
+    grpc::Status status = Forward(&Stub::BeginWrite, *request, response);
+    if (response->has_data_plane()) Redirect(response->mutable_data_plane());
+    return status;
+  }
+  grpc::Status CommitWrite(grpc::ServerContext*,
+                           const v1::CommitWriteRequest* request,
+                           v1::CommitWriteResponse* response) override {
+    return Forward(&Stub::CommitWrite, *request, response);
+  }
+  grpc::Status AbortWrite(grpc::ServerContext*,
+                          const v1::AbortWriteRequest* request,
+                          v1::AbortWriteResponse* response) override {
+    return Forward(&Stub::AbortWrite, *request, response);
+  }
+  grpc::Status BeginRead(grpc::ServerContext*,
+                         const v1::BeginReadRequest* request,
+                         v1::BeginReadResponse* response) override {
+    grpc::Status status = Forward(&Stub::BeginRead, *request, response);
+    if (response->has_data_plane()) Redirect(response->mutable_data_plane());
+    return status;
+  }
+  grpc::Status EndRead(grpc::ServerContext*, const v1::EndReadRequest* request,
+                       v1::EndReadResponse* response) override {
+    return Forward(&Stub::EndRead, *request, response);
+  }
+
+ private:
+  using Stub = v1::KvCache::Stub;
+  static grpc::ChannelArguments Arguments() {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    args.SetMaxSendMessageSize(64 << 20);
+    return args;
+  }
+  template <typename Request, typename Response>
+  grpc::Status Forward(grpc::Status (Stub::*call)(grpc::ClientContext*,
+                                                  const Request&, Response*),
+                       const Request& request, Response* response) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(30));
+    return (stub_.get()->*call)(&context, request, response);
+  }
+  void Redirect(v1::DataPlaneInfo* info) const {
+    info->set_ucx_address(listener_);
+    info->clear_worker_address();
+  }
+
+  std::unique_ptr<Stub> stub_;
+  std::string listener_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+// The data-plane address a node advertises takes connections but never
+// answers UCX (a firewall in front of its UCX ports, a wrong address):
+// kAuto puts and gets still succeed, over gRPC, about kConnectTimeout into
+// their 20 s timeout; later calls do not try UCX with that node again (no
+// wait, no UCX read opened and ended); kUcx fails UNAVAILABLE; the node
+// holds nothing afterwards.
+TEST_P(UcxTest, AutoUsesGrpcSoonWhenTheDataPlaneAddressDoesNotAnswer) {
+  if (!GetParam().tcp()) GTEST_SKIP() << "the black hole is a TCP listener";
+  testing::BlackHole hole;
+  ASSERT_NE(hole.port(), 0);
+  RedirectingFront front(Target(), absl::StrCat("127.0.0.1:", hole.port()));
+  ClientOptions copts;
+  copts.target = front.target();
+  copts.timeout = absl::Seconds(20);
+  copts.max_message_bytes = 64 << 20;
+  copts.data_plane = DataPlane::kAuto;
+  auto auto_client = Client::Connect(copts);
+  ASSERT_TRUE(auto_client.ok());
+  copts.data_plane = DataPlane::kUcx;
+  auto ucx_client = Client::Connect(copts);
+  ASSERT_TRUE(ucx_client.ok());
+  ASSERT_TRUE((*auto_client)
+                  ->RegisterNamespace(Spec("hole", Codec::kNone, LargeShape()))
+                  .ok());
+
+  absl::Time started = absl::Now();
+  ASSERT_TRUE(PutChain(auto_client->get(), "hole", LargeShape(), 0, 2).ok());
+  const absl::Duration first_put = absl::Now() - started;
+  EXPECT_GE(first_put, ucx::kConnectTimeout);
+  EXPECT_LT(first_put, ucx::kConnectTimeout * 3);
+
+  started = absl::Now();
+  auto got = (*auto_client)->Get("hole", Keys(0, 2));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_TRUE(PutChain(auto_client->get(), "hole", LargeShape(), 2, 2).ok());
+  EXPECT_LT(absl::Now() - started, ucx::kConnectTimeout)
+      << "the second round tried UCX again";
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(got->blocks[i].bytes.size(), data_[i].size() * 2);
+    EXPECT_EQ(std::memcmp(got->blocks[i].bytes.data(), data_[i].data(),
+                          data_[i].size() * 2),
+              0);
+  }
+
+  started = absl::Now();
+  auto refused = PutChain(ucx_client->get(), "hole", LargeShape(), 4, 1);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable)
+      << refused.status();
+  EXPECT_LT(absl::Now() - started, ucx::kConnectTimeout * 3);
+
+  const std::string metrics = node_->metrics()->Render();
+  EXPECT_EQ(TransferBytes(metrics, "in", "ucx"), 0u);
+  EXPECT_EQ(TransferBytes(metrics, "out", "ucx"), 0u);
+  EXPECT_GE(TransferBytes(metrics, "in", "grpc"), 4 * data_[0].size() * 2);
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
 // A data-plane address that accepts TCP connections but never answers UCX
 // (what a firewall or a wrong address looks like): sends, pulls and reads
 // fail with UNAVAILABLE (IsDataPlaneNotConnected) about kConnectTimeout
