@@ -126,13 +126,13 @@ struct ClientPlane::Connection {
   // node's puts into a read's region.
   bool peer_errors = true;
   bool described = false;  // lanes printed (KVCACHE_UCX_DEBUG)
-  // A flush issued when the connection was made completes once UCX has
-  // connected it; one that has not kConnectTimeout after `created` is
-  // closed as UNAVAILABLE (CloseIfNotConnected): a data-plane address that
-  // swallows connections (a firewall, a wrong address) must fail calls
-  // early enough for kAuto to use gRPC, not at their deadline.
-  // Shared with the flush's callback, which may run while the connection
-  // is being destroyed (a forced close completes it inside the close).
+  // Whether UCX has connected it: set by a flush issued when it was made,
+  // whose callback shares the flag (a forced close may run that callback
+  // while the connection is being destroyed). One still not established
+  // kConnectTimeout after `created` is closed as UNAVAILABLE
+  // (CloseIfNotConnected): a data-plane address that swallows connections
+  // (a firewall, a wrong address) must fail calls early enough for kAuto
+  // to use gRPC, not at their deadline.
   std::shared_ptr<bool> established = std::make_shared<bool>(false);
   absl::Time created;
   // Sends started before it was established: told why, if it never is.
