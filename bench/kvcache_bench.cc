@@ -677,6 +677,11 @@ int Run(const Config& config) {
       std::fflush(stdout);
     }
   }
+  // UCX logs to stdout, its teardown included: the client and the node end
+  // before the last lines, so that `ratio ...` stays the last line.
+  std::fflush(stdout);
+  client->reset();
+  node.reset();
   std::printf("perftest: ucp_put_bw (vs get) and ucp_am_bw (vs put), MiB/s\n");
   std::printf("ratio get=%.2f put=%.2f\n", std::max(0.0, first_get_ratio),
               std::max(0.0, first_put_ratio));
