@@ -303,8 +303,9 @@ absl::StatusOr<PerftestResult> Perftest(const std::string& test, uint64_t size,
   const std::string sz = absl::StrCat(size);
   const uint64_t iters =
       std::max<uint64_t>(200, std::min<uint64_t>(20000, (4ull << 30) / size));
+  const uint64_t warmup = std::max<uint64_t>(20, iters / 10);
   const std::string n = absl::StrCat(iters);
-  const std::string w = absl::StrCat(std::max<uint64_t>(20, iters / 10));
+  const std::string w = absl::StrCat(warmup);
   const std::string p = absl::StrCat(port);
   pid_t server = fork();
   if (server == 0) {
@@ -378,8 +379,7 @@ absl::StatusOr<PerftestResult> Perftest(const std::string& test, uint64_t size,
   PerftestResult result;
   result.mib_per_s = numbers[5];
   const double bytes =
-      static_cast<double>(iters + std::max<uint64_t>(20, iters / 10)) *
-      static_cast<double>(size);
+      static_cast<double>(iters + warmup) * static_cast<double>(size);
   result.cpu_s_per_gib = cpu / (bytes / kGiB);
   return result;
 }

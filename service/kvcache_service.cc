@@ -60,10 +60,16 @@ void DescribeRead(const store::ReadResult& r, v1::BeginReadResponse* response) {
   proto::ShapeToProto(r.ns.config.shape, response->mutable_layout());
 }
 
-// What clients check before they connect over UCX (DataPlaneInfo).
-void SetTcpSegments(const ucx::TcpSegments& segments, v1::DataPlaneInfo* info) {
-  info->set_tcp_tx_seg_bytes(segments.tx_bytes);
-  info->set_tcp_rx_seg_bytes(segments.rx_bytes);
+// How a client reaches `plane` for the session of `token`, and the TCP
+// segment sizes it checks before connecting (service/ucx/tcp_segments.h);
+// each kind of session adds what it offers.
+void DescribeDataPlane(const ucx::DataPlane& plane, const ucx::Token& token,
+                       v1::DataPlaneInfo* info) {
+  info->set_ucx_address(plane.address());
+  info->set_worker_address(plane.worker_address());
+  info->set_token(ucx::TokenBytes(token));
+  info->set_tcp_tx_seg_bytes(plane.tcp_segments().tx_bytes);
+  info->set_tcp_rx_seg_bytes(plane.tcp_segments().rx_bytes);
 }
 
 }  // namespace
@@ -214,13 +220,8 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginWrite(
         store_->AbortWrite(r->write_id).IgnoreError();
         return token.status();
       }
-      response->mutable_data_plane()->set_ucx_address(data_plane_->address());
-      response->mutable_data_plane()->set_worker_address(
-          data_plane_->worker_address());
-      response->mutable_data_plane()->set_token(ucx::TokenBytes(*token));
+      DescribeDataPlane(*data_plane_, *token, response->mutable_data_plane());
       response->mutable_data_plane()->set_pull_writes(true);
-      SetTcpSegments(data_plane_->tcp_segments(),
-                     response->mutable_data_plane());
     }
     response->set_write_id(r->write_id);
     for (bool present : r->present) response->add_present(present);
@@ -347,13 +348,9 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
     store_->EndLease(lease_id).IgnoreError();
     return token.status();
   }
-  response->mutable_data_plane()->set_ucx_address(data_plane_->address());
-  response->mutable_data_plane()->set_worker_address(
-      data_plane_->worker_address());
-  response->mutable_data_plane()->set_token(ucx::TokenBytes(*token));
+  DescribeDataPlane(*data_plane_, *token, response->mutable_data_plane());
   response->mutable_data_plane()->set_bounded_reads(true);
   response->mutable_data_plane()->set_message_reads(true);
-  SetTcpSegments(data_plane_->tcp_segments(), response->mutable_data_plane());
   return absl::OkStatus();
 }
 

@@ -1094,14 +1094,20 @@ class ScopedEnv {
   std::optional<std::string> old_;
 };
 
+// The value of `series` (name and labels, as rendered) in a /metrics
+// exposition; 0 when absent.
+uint64_t MetricValue(const std::string& metrics, const std::string& series) {
+  const std::string prefix = series + " ";
+  size_t at = metrics.find(prefix);
+  if (at == std::string::npos) return 0;
+  return std::strtoull(metrics.c_str() + at + prefix.size(), nullptr, 10);
+}
+
 uint64_t TransferBytes(const std::string& metrics, const char* direction,
                        const char* transport) {
-  const std::string series =
-      absl::StrCat("kvcache_transfer_bytes_total{direction=\"", direction,
-                   "\",transport=\"", transport, "\"} ");
-  size_t at = metrics.find(series);
-  if (at == std::string::npos) return 0;
-  return std::strtoull(metrics.c_str() + at + series.size(), nullptr, 10);
+  return MetricValue(
+      metrics, absl::StrCat("kvcache_transfer_bytes_total{direction=\"",
+                            direction, "\",transport=\"", transport, "\"}"));
 }
 
 // UCX 1.13 aborts a process that receives a TCP fragment larger than its
@@ -1141,13 +1147,8 @@ TEST_P(UcxTest, MismatchedTcpSegmentSizesKeepTheClientOffUcxNotAbortingAPeer) {
   // The refusal stands for the kAuto client (the put met it): its reads go
   // inline at once instead of opening a UCX read first and ending it.
   auto end_reads = [&] {
-    const std::string series =
-        "kvcache_requests_total{code=\"OK\",op=\"end_read\"} ";
-    std::string text = node_->metrics()->Render();
-    size_t at = text.find(series);
-    return at == std::string::npos
-               ? uint64_t{0}
-               : std::strtoull(text.c_str() + at + series.size(), nullptr, 10);
+    return MetricValue(node_->metrics()->Render(),
+                       "kvcache_requests_total{code=\"OK\",op=\"end_read\"}");
   };
   for (int i = 0; i < 3; ++i) {
     auto more = auto_client->Get("seg", Keys(0, 3));

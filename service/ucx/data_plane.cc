@@ -1,8 +1,6 @@
 #include "service/ucx/data_plane.h"
 
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <utility>
@@ -977,26 +975,17 @@ bool DataPlane::PutsAreNative(Connection* conn, const RemoteKey& rkey,
   void* mapped = nullptr;
   if (ucp_rkey_ptr(rkey.get(), address, &mapped) == UCS_OK) return true;
   if (!conn->tcp_only.has_value()) {
-    // UCX 1.13 has no query for an endpoint's transports; its description
-    // has one "lane[N]: ..." line per lane, naming the transport. Only
-    // where every lane is TCP do puts count as emulated: anything else
-    // (RDMA above all, where a data message's rendezvous would expose the
-    // node's memory) keeps puts.
-    char* text = nullptr;
-    size_t size = 0;
-    FILE* stream = open_memstream(&text, &size);
+    // Only where every lane of the endpoint is TCP do puts count as
+    // emulated: anything else (RDMA above all, where a data message's
+    // rendezvous would expose the node's memory) keeps puts.
     int lanes = 0;
     int tcp_lanes = 0;
-    if (stream != nullptr) {
-      ucp_ep_print_info(conn->out().get(), stream);
-      std::fclose(stream);
-      for (absl::string_view line :
-           absl::StrSplit(absl::string_view(text, size), '\n')) {
+    if (absl::StatusOr<std::string> text = conn->out().Describe(); text.ok()) {
+      for (absl::string_view line : absl::StrSplit(*text, '\n')) {
         if (!absl::StrContains(line, "lane[")) continue;
         ++lanes;
         if (absl::StrContains(line, ":tcp/")) ++tcp_lanes;
       }
-      std::free(text);
     }
     conn->tcp_only = lanes > 0 && lanes == tcp_lanes;
   }

@@ -5,10 +5,12 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
 
+#include "absl/functional/function_ref.h"
 #include "absl/memory/memory.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -86,6 +88,19 @@ int SockaddrPort(const sockaddr_storage& addr) {
   return 0;
 }
 
+// What `print` writes to a FILE*, as a string.
+absl::StatusOr<std::string> PrintedText(absl::FunctionRef<void(FILE*)> print) {
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* stream = open_memstream(&text, &size);
+  if (stream == nullptr) return absl::InternalError("open_memstream failed");
+  print(stream);
+  std::fclose(stream);
+  std::string printed(text, size);
+  std::free(text);
+  return printed;
+}
+
 // Frees a status pointer that an immediate-return call handed back: a
 // request pointer is released; an error or UCS_OK needs nothing.
 void ReleaseStatusPtr(ucs_status_ptr_t ptr) {
@@ -134,6 +149,11 @@ absl::StatusOr<std::unique_ptr<Context>> Context::Create(
 }
 
 Context::~Context() { ucp_cleanup(context_); }
+
+absl::StatusOr<std::string> Context::Describe() const {
+  return PrintedText(
+      [this](FILE* out) { ucp_context_print_info(context_, out); });
+}
 
 // ----------------------------------------------------------------- Worker
 
@@ -328,6 +348,10 @@ Endpoint::~Endpoint() {
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   param.flags = UCP_EP_CLOSE_FLAG_FORCE;
   ReleaseStatusPtr(ucp_ep_close_nbx(ep_, &param));
+}
+
+absl::StatusOr<std::string> Endpoint::Describe() const {
+  return PrintedText([this](FILE* out) { ucp_ep_print_info(ep_, out); });
 }
 
 // ----------------------------------------------------------- MemoryRegion

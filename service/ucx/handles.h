@@ -49,6 +49,9 @@ class Context {
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
   ucp_context_h get() const { return context_; }
+  // ucp_context_print_info as text: its "resource" lines name the
+  // transports in use (UCX 1.13 has no query for them).
+  absl::StatusOr<std::string> Describe() const;
 
  private:
   explicit Context(ucp_context_h context) : context_(context) {}
@@ -140,6 +143,9 @@ class Endpoint {
   Endpoint(const Endpoint&) = delete;
   Endpoint& operator=(const Endpoint&) = delete;
   ucp_ep_h get() const { return ep_; }
+  // ucp_ep_print_info as text: one "lane[N]: ..." line per lane, naming
+  // its transport (UCX 1.13 has no query for them).
+  absl::StatusOr<std::string> Describe() const;
 
  private:
   explicit Endpoint(ucp_ep_h ep) : ep_(ep) {}

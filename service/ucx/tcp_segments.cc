@@ -2,8 +2,6 @@
 
 #include <uct/api/uct.h>
 
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -40,20 +38,12 @@ using MdConfig = std::unique_ptr<uct_md_config_t, ConfigFree>;
 using IfaceConfig = std::unique_ptr<uct_iface_config_t, ConfigFree>;
 using Md = std::unique_ptr<uct_md, MdClose>;
 
-// Whether one of the context's transport resources is TCP: its printed
-// resource lines read "... flags -- tcp/<device>" (UCX 1.13 has no query).
+// Whether one of the context's transport resources is TCP: its described
+// resource lines read "... flags -- tcp/<device>".
 absl::StatusOr<bool> UsesTcp(const Context& context) {
-  char* text = nullptr;
-  size_t size = 0;
-  FILE* stream = open_memstream(&text, &size);
-  if (stream == nullptr) {
-    return absl::InternalError("open_memstream failed");
-  }
-  ucp_context_print_info(context.get(), stream);
-  std::fclose(stream);
-  std::unique_ptr<char, decltype(&std::free)> owned(text, &std::free);
-  for (absl::string_view line :
-       absl::StrSplit(absl::string_view(text, size), '\n')) {
+  absl::StatusOr<std::string> text = context.Describe();
+  if (!text.ok()) return text.status();
+  for (absl::string_view line : absl::StrSplit(*text, '\n')) {
     if (absl::StrContains(line, "resource") &&
         absl::StrContains(line, " tcp/")) {
       return true;
