@@ -1900,8 +1900,17 @@ TEST_P(UcxTest, PausedNodeEndsCallsAtTheirDeadlineOrWhenCancelled) {
     EXPECT_LT(absl::Now() - start, absl::Milliseconds(800));
   }
   node.Resume();
-  // Resumed, the node serves the client again (over a new connection).
-  auto got = (*client)->Get("paused", Keys(0, kBlocks));
+  // Resumed, the node serves the client again (over a new connection). The
+  // node's teardown of the connections force-closed while it was paused
+  // can still reset the TCP connection UCX shares between endpoints of the
+  // same two workers; the call then fails UNAVAILABLE, and a caller tries
+  // again (docs/architecture.md, "Failure"). Seen in about 1 of 6 loaded
+  // runs of the tcp variants (the fifth session's note).
+  absl::StatusOr<GetResult> got = absl::UnavailableError("not tried");
+  for (int attempt = 0; attempt < 3 && absl::IsUnavailable(got.status());
+       ++attempt) {
+    got = (*client)->Get("paused", Keys(0, kBlocks));
+  }
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->blocks.size(), static_cast<size_t>(kBlocks));
 }
