@@ -161,6 +161,7 @@ struct Store::Shard {
 struct Store::ReadLease {
   std::vector<Entry*> entries;  // each holds one pin of this lease
   absl::Time deadline;
+  bool held = false;  // HoldReadLease: ends only by EndLease
 };
 
 struct Store::WriteLease {
@@ -606,7 +607,7 @@ int Store::ExpireLeases(absl::Time now) {
   {
     MutexLock lock(&lease_mu_);
     for (const auto& [id, lease] : read_leases_) {
-      if (lease->deadline < now) reads.push_back(id);
+      if (lease->deadline < now && !lease->held) reads.push_back(id);
     }
     for (const auto& [id, lease] : write_leases_) {
       if (lease->deadline < now) writes.push_back(id);
@@ -627,6 +628,16 @@ absl::Status Store::EndLease(uint64_t lease_id) {
     }
   }
   ReleaseReadLease(lease_id);
+  return absl::OkStatus();
+}
+
+absl::Status Store::HoldReadLease(uint64_t lease_id) {
+  MutexLock lock(&lease_mu_);
+  auto it = read_leases_.find(lease_id);
+  if (it == read_leases_.end()) {
+    return absl::NotFoundError("read lease is unknown or has expired");
+  }
+  it->second->held = true;
   return absl::OkStatus();
 }
 

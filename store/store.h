@@ -29,7 +29,7 @@
 // the namespaces have one mutex each. No thread holds two shard mutexes at
 // once; the pool and lease mutexes are taken last.
 //
-// Memory: an index entry is a fixed 80-byte record from its shard's slab
+// Memory: an index entry is a fixed 88-byte record from its shard's slab
 // (keys up to 16 bytes inline), one pointer slot in the shard's hash set and,
 // while evictable, one (tick, pointer) pair in the shard's LRU B-tree; page
 // lists live in the pool (4 bytes per page). Recency is recorded lazily: a
@@ -278,6 +278,11 @@ class Store {
                                        bool in_place = false);
   // Ends a read lease or a Lookup pin. NOT_FOUND for an unknown or expired id.
   absl::Status EndLease(uint64_t lease_id);
+  // Hands a read lease to a holder that bounds its life itself (a data-plane
+  // transfer sending from the pinned pages): the lease no longer expires by
+  // its TTL and ends only by EndLease. NOT_FOUND for an unknown or expired
+  // id.
+  absl::Status HoldReadLease(uint64_t lease_id);
 
   absl::StatusOr<uint32_t> Delete(const std::string& ns,
                                   absl::Span<const std::string> keys);

@@ -609,6 +609,28 @@ TEST(StoreTest, AbandonedLeasesExpireAndReturnTheirSpace) {
   EXPECT_EQ(late.status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// A lease handed to a holder (a data-plane transfer still sending from the
+// pinned pages) outlives its TTL: only EndLease ends it.
+TEST(StoreTest, AHeldReadLeaseEndsOnlyByEndLease) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 2).ok());
+  auto held = store->BeginRead("ns", Keys(0, 1), ReadFormat::kRaw,
+                               absl::Milliseconds(1), 0, true);
+  auto other = store->BeginRead("ns", Keys(1, 1), ReadFormat::kRaw,
+                                absl::Milliseconds(1), 0, true);
+  ASSERT_TRUE(held.ok() && other.ok());
+  ASSERT_TRUE(store->HoldReadLease(held->lease_id).ok());
+  EXPECT_EQ(store->ExpireLeases(absl::Now() + absl::Seconds(1)), 1);
+  EXPECT_EQ(store->Stats().active_read_leases, 1u);
+  EXPECT_GT(store->Stats().pinned_bytes, 0u);
+  EXPECT_EQ(store->HoldReadLease(other->lease_id).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(store->EndLease(held->lease_id).ok());
+  EXPECT_EQ(store->Stats().pinned_bytes, 0u);
+  EXPECT_EQ(store->Stats().active_read_leases, 0u);
+}
+
 TEST(StoreTest, CorruptPayloadOrHeaderIsDataLossAndDropsTheBlock) {
   for (bool header : {false, true}) {
     auto store = MakeStore(1 << 20);

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include <functional>
 #include <future>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -803,6 +805,260 @@ TEST_P(UcxTest, DataMessagesLandOnlyInsideTheReadsRegion) {
                             [](uint8_t b) { return b == 0xEE; }))
         << "block " << bad.block << " offset " << bad.offset;
   }
+}
+
+// The client side of a read written out by hand, which keeps back the
+// rendezvous pieces of data messages (kAmReadData): their descriptors are
+// held (UCS_INPROGRESS) and received only when the test says so. Between
+// the node's report of the read and the client's receive, the node's send
+// still reads the blocks from its arena, so their pages must stay pinned.
+class HeldReader {
+ public:
+  HeldReader() {
+    auto loop = ucx::WorkerLoop::Start({});
+    EXPECT_TRUE(loop.ok()) << loop.status();
+    if (!loop.ok()) return;
+    loop_ = *std::move(loop);
+    RunOnLoop([this] {
+      for (unsigned id : {ucx::kAmReadData, ucx::kAmReadStatus}) {
+        ucp_am_handler_param_t param;
+        std::memset(&param, 0, sizeof(param));
+        param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                           UCP_AM_HANDLER_PARAM_FIELD_CB |
+                           UCP_AM_HANDLER_PARAM_FIELD_ARG;
+        param.id = id;
+        param.cb = id == ucx::kAmReadData ? &HeldReader::OnData
+                                          : &HeldReader::OnStatus;
+        param.arg = this;
+        EXPECT_EQ(ucp_worker_set_am_recv_handler(loop_->worker().get(), &param),
+                  UCS_OK);
+      }
+      address_ = *loop_->worker().Address();
+    });
+  }
+  ~HeldReader() {
+    if (loop_ == nullptr) return;
+    RunOnLoop([this] {
+      ep_.reset();
+      region_.reset();
+    });
+    loop_->Stop(nullptr);
+  }
+
+  // Sends ReadStart for `read_id` over a connection to the node's worker,
+  // asking for data messages into a fresh region of `bytes`.
+  absl::Status Start(const std::string& node_worker, uint64_t read_id,
+                     const ucx::Token& token, uint32_t blocks,
+                     uint64_t block_bytes) {
+    absl::Status status;
+    RunOnLoop([&] {
+      bool peer_errors = false;
+      auto ep = ucx::Endpoint::ConnectToWorker(
+          loop_->worker(), node_worker, [](void*, ucp_ep_h, ucs_status_t) {},
+          nullptr, &peer_errors);
+      auto region =
+          ucx::MemoryRegion::Allocate(loop_->context(), blocks * block_bytes);
+      if (!ep.ok() || !region.ok()) {
+        status = !ep.ok() ? ep.status() : region.status();
+        return;
+      }
+      ep_ = *std::move(ep);
+      region_ = *std::move(region);
+      std::memset(region_->data(), 0, region_->size());
+      absl::StatusOr<std::string> rkey = region_->PackRemoteKey();
+      if (!rkey.ok()) {
+        status = rkey.status();
+        return;
+      }
+      ucx::ReadStartHeader h;
+      h.read_id = read_id;
+      h.token = token;
+      h.num_blocks = blocks;
+      h.rkey_length = static_cast<uint32_t>(rkey->size());
+      h.client_address_length = static_cast<uint32_t>(address_.size());
+      h.flags = ucx::kReadFlagBounded | ucx::kReadFlagMessages;
+      std::string header = ucx::Encode(h);
+      std::string message = header + *rkey;
+      const uint64_t base = reinterpret_cast<uint64_t>(region_->data());
+      for (uint32_t b = 0; b < blocks; ++b) {
+        AppendLe(&message, base + b * block_bytes);
+      }
+      message += address_;
+      AppendLe(&message, base);
+      AppendLe(&message, region_->size());
+      ucx::SendEagerAm(ep_->get(), ucx::kAmReadStart, std::move(message),
+                       header.size(), [](absl::Status) {});
+      loop_->AddBusy(1);  // keep progressing: the node is waiting on us
+    });
+    return status;
+  }
+
+  // Waits (bounded) until the node reported the read done.
+  bool WaitReported(absl::Duration within) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, absl::ToChronoSeconds(within),
+                        [&] { return reported_; });
+  }
+  // Rendezvous pieces received so far and held back.
+  size_t held() {
+    size_t n = 0;
+    RunOnLoop([&] { n = held_.size(); });
+    return n;
+  }
+  // Receives every held piece into the region and waits for them to land.
+  absl::Status ReceiveHeld(absl::Duration within) {
+    auto pending = std::make_shared<std::atomic<int>>(0);
+    auto failed = std::make_shared<std::atomic<bool>>(false);
+    RunOnLoop([&] {
+      for (const Piece& piece : held_) {
+        ++*pending;
+        uint8_t* dst = region_->data() + piece.at;
+        ucx::Operation::Start(
+            ucx::Operation::Kind::kRecvAm,
+            [worker = loop_->worker().get(), piece, dst](
+                const ucp_request_param_t& param, absl::string_view) {
+              return ucp_am_recv_data_nbx(worker, piece.descriptor, dst,
+                                          piece.length, &param);
+            },
+            [pending, failed](absl::Status s) {
+              if (!s.ok()) *failed = true;
+              --*pending;
+            });
+      }
+      held_.clear();
+    });
+    const absl::Time deadline = absl::Now() + within;
+    while (*pending > 0 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    if (*pending > 0) return absl::DeadlineExceededError("pieces pending");
+    if (*failed) return absl::UnavailableError("a piece failed");
+    return absl::OkStatus();
+  }
+  const uint8_t* data() const { return region_->data(); }
+
+ private:
+  struct Piece {
+    void* descriptor;
+    uint64_t at;  // offset in the region
+    size_t length;
+  };
+  static void AppendLe(std::string* out, uint64_t v) {
+    for (int i = 0; i < 8; ++i) out->push_back(static_cast<char>(v >> 8 * i));
+  }
+  // Runs `task` on the loop thread and waits for it.
+  void RunOnLoop(std::function<void()> task) {
+    std::promise<void> done;
+    ASSERT_TRUE(loop_->Post([&] {
+      task();
+      done.set_value();
+    }));
+    done.get_future().wait();
+  }
+  static ucs_status_t OnData(void* arg, const void* header,
+                             size_t header_length, void* data, size_t length,
+                             const ucp_am_recv_param_t* param) noexcept {
+    auto* self = static_cast<HeldReader*>(arg);
+    auto h = ucx::DecodeReadData(
+        absl::string_view(static_cast<const char*>(header), header_length));
+    if (!h.ok()) return UCS_OK;
+    const uint64_t at = h->block * self->block_bytes() + h->offset;
+    if (at + length > self->region_->size()) return UCS_OK;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
+      std::memcpy(self->region_->data() + at, data, length);
+      return UCS_OK;
+    }
+    self->held_.push_back({data, at, length});
+    return UCS_INPROGRESS;
+  }
+  static ucs_status_t OnStatus(void* arg, const void* header,
+                               size_t header_length, void*, size_t,
+                               const ucp_am_recv_param_t*) noexcept {
+    auto* self = static_cast<HeldReader*>(arg);
+    auto h = ucx::DecodeReadStatus(
+        absl::string_view(static_cast<const char*>(header), header_length));
+    if (h.ok() && h->layers_done >= h->num_layers) {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      self->reported_ = true;
+      self->cv_.notify_all();
+    }
+    return UCS_OK;
+  }
+  uint64_t block_bytes() const { return block_bytes_; }
+
+ public:
+  void set_block_bytes(uint64_t b) { block_bytes_ = b; }
+
+ private:
+  std::unique_ptr<ucx::WorkerLoop> loop_;
+  std::string address_;
+  std::unique_ptr<ucx::Endpoint> ep_;
+  std::unique_ptr<ucx::MemoryRegion> region_;
+  uint64_t block_bytes_ = 0;
+  std::vector<Piece> held_;  // loop thread only
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool reported_ = false;  // guarded by mu_
+};
+
+// Over tcp a read goes as data messages, and a rendezvous piece is sent
+// only when the client receives it: until then the node's send reads the
+// block where it lies in the arena. The node may report the read before
+// that (its flush does not wait for rendezvous sends), but the blocks stay
+// pinned until every send has ended, so a delete and a write that reuses
+// pages in the meantime cannot change the bytes the client gets.
+TEST_P(UcxTest, BlocksStayPinnedUntilEveryDataMessageIsSent) {
+  if (!GetParam().tcp() || GetParam().delivery != ucx::ReadDelivery::kAuto) {
+    GTEST_SKIP() << "data messages are a tcp read's delivery";
+  }
+  const kernels::BlockShape shape = LargeShape();
+  const uint64_t block_bytes = kernels::Fp16BlockBytes(shape);
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("held", Codec::kNone, shape)).ok());
+  ASSERT_TRUE(PutChain(grpc_client_.get(), "held", shape, 0, 2).ok());
+  auto stub = kvcache::v1::KvCache::NewStub(
+      grpc::CreateChannel(Target(), grpc::InsecureChannelCredentials()));
+  kvcache::v1::BeginReadRequest request;
+  request.set_namespace_name("held");
+  request.add_keys(Key(0));
+  request.add_keys(Key(1));
+  request.set_format(kvcache::v1::READ_FORMAT_RAW);
+  kvcache::v1::BeginReadResponse response;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  grpc::Status rpc = stub->BeginRead(&ctx, request, &response);
+  ASSERT_TRUE(rpc.ok()) << rpc.error_message();
+  ASSERT_TRUE(response.has_data_plane());
+  auto token = ucx::TokenFromBytes(response.data_plane().token());
+  ASSERT_TRUE(token.ok());
+
+  HeldReader reader;
+  reader.set_block_bytes(block_bytes);
+  ASSERT_TRUE(reader
+                  .Start(response.data_plane().worker_address(),
+                         response.read_id(), *token, 2, block_bytes)
+                  .ok());
+  // The node sends each block as rendezvous pieces and reports the read.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (reader.held() == 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_GT(reader.held(), 0u) << "no rendezvous piece arrived";
+  reader.WaitReported(absl::Seconds(2));
+  // The sends still read the pinned pages: the blocks' pins are held.
+  EXPECT_GE(node_->store()->Stats().pinned_bytes, 2 * block_bytes)
+      << "the node let the blocks go with their sends in flight";
+  // Delete them and write others, which take any page freed.
+  ASSERT_TRUE(grpc_client_->Delete("held", Keys(0, 2)).ok());
+  ASSERT_TRUE(PutChain(grpc_client_.get(), "held", shape, 10, 4).ok());
+  ASSERT_TRUE(reader.ReceiveHeld(absl::Seconds(10)).ok());
+  for (int b = 0; b < 2; ++b) {
+    EXPECT_EQ(std::memcmp(reader.data() + b * block_bytes, data_[b].data(),
+                          block_bytes),
+              0)
+        << "block " << b << " is not the bytes that were read";
+  }
+  ExpectNothingHeld(absl::Seconds(5));
 }
 
 // A read whose destinations do not lie inside the region it registered is

@@ -114,6 +114,7 @@ struct DataPlane::ReadSession {
   uint32_t data_messages = 0;  // kAmReadData messages issued
   absl::Status error;
   bool finished = false;
+  bool lease_ended = false;
 };
 
 // ------------------------------------------------------------- lifecycle
@@ -901,6 +902,14 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
     return;
   }
   conn->authenticated = true;
+  // From here the session, not the store's TTL, ends the lease: its
+  // deadline force-closes a stuck transfer, and the lease ends only once
+  // no send reads the pinned pages (ReleaseIfIdle).
+  if (absl::Status held = store_->HoldReadLease(session->id); !held.ok()) {
+    FinishRead(session, absl::FailedPreconditionError(
+                            "read lease is unknown or has expired"));
+    return;
+  }
   const size_t blocks = session->result.blocks.size();
   if ((h->flags &
        ~(kReadFlagPerLayer | kReadFlagBounded | kReadFlagMessages)) != 0) {
@@ -1155,13 +1164,18 @@ void DataPlane::FinishRead(const std::shared_ptr<ReadSession>& session,
     }
     observer_(/*inbound=*/false, bytes);
   }
-  store_->EndLease(session->id).IgnoreError();
   ReleaseIfIdle(*session);
 }
 
 void DataPlane::ReleaseIfIdle(ReadSession& session) {
   if (!session.finished || session.outstanding > 0) return;
-  // No operation references the copies or the key any more.
+  // No operation references the pinned pages, the copies or the key any
+  // more. NOT_FOUND: the lease was never held (the read failed before it
+  // could be) and the store's TTL or the caller ended it.
+  if (!session.lease_ended) {
+    session.lease_ended = true;
+    store_->EndLease(session.id).IgnoreError();
+  }
   session.rkey.reset();
   session.result.blocks.clear();
   session.result.blocks.shrink_to_fit();

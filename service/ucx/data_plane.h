@@ -23,9 +23,13 @@
 //    destination memory and sends ReadStart with the packed remote key and
 //    one address per block; the node puts the blocks there (layer by layer
 //    when asked), flushes, and reports each layer with ReadStatus. When the
-//    read ends (done, failed, or expired) the node destroys the remote key,
-//    ends the store lease and frees the copies. The node never packs a
-//    remote key of its own memory. The one exception to "one key, one
+//    read ends (done, failed, or expired) and no put or data message of it
+//    is still in flight, the node destroys the remote key, ends the store
+//    lease and frees the copies. From ReadStart on, the store lease is held
+//    (Store::HoldReadLease): it ends only then, never by the store's TTL,
+//    which the session's deadline enforces instead (force-closing a
+//    connection stuck mid-transfer, which fails its operations). The node never
+//    packs a remote key of its own memory. The one exception to "one key, one
 //    read": a key that the client marks as covering a long-lived buffer
 //    (kvcache::DataBuffer, ReadStartHeader::buffer_id) is kept for later
 //    reads into that buffer on the same connection, until the client
@@ -272,9 +276,12 @@ class DataPlane {
                  bool by_messages);
   void FinishRead(const std::shared_ptr<ReadSession>& session,
                   absl::Status status);
-  // Frees a finished read's key, copies and staging once no operation
-  // references them.
-  static void ReleaseIfIdle(ReadSession& session);
+  // Once a finished read has no operation in flight: frees its key, copies
+  // and staging, and ends its store lease (exactly once). Only then may the
+  // pinned pages it sends from be released or reused: a rendezvous data
+  // message reads them until its send completes, which can be after the
+  // flush that reported the read (ucp_ep_flush_nbx does not wait for it).
+  void ReleaseIfIdle(ReadSession& session);
   // data_messages: for a read delivered by kAmReadData, the messages sent
   // before this status (ReadStatusHeader::data_messages).
   void SendReadStatus(uint64_t conn_id, uint64_t read_id, const Token& token,
