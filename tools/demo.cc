@@ -25,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "kernels/half.h"
+#include "kernels/legal_states.h"
 #include "kvcache/client.h"
 #include "xxhash.h"
 
@@ -90,7 +91,36 @@ struct CodecRun {
   uint64_t lookups = 0, hits = 0;
   double err_sq = 0, ref_sq = 0, max_abs = 0;
   uint64_t blocks_written = 0, blocks_read = 0;
+  // Every block read is checked to be exactly one of its legal states
+  // (kernels/legal_states.h).
+  uint64_t as_written = 0, round_trips = 0, wrong = 0, non_finite = 0;
+  std::string first_wrong;
 };
+
+// Checks one block read back as fp16 against the legal states of what was
+// written for it.
+void VerifyRead(const BlockShape& shape, CodecRun* run,
+                const std::vector<uint16_t>& original,
+                absl::Span<const uint16_t> back) {
+  run->non_finite += kvcache::kernels::CountNonFinite(back);
+  kvcache::CodecPolicy policy;
+  policy.codec = run->codec;
+  auto states = kvcache::kernels::LegalStates::Make(shape, policy, original);
+  if (!states.ok()) {
+    ++run->wrong;
+    if (run->first_wrong.empty()) run->first_wrong = states.status().ToString();
+    return;
+  }
+  absl::StatusOr<kvcache::kernels::BlockState> state = states->Match(back);
+  if (!state.ok()) {
+    ++run->wrong;
+    if (run->first_wrong.empty()) run->first_wrong = state.status().ToString();
+  } else if (*state == kvcache::kernels::BlockState::kSource) {
+    ++run->as_written;
+  } else {
+    ++run->round_trips;
+  }
+}
 
 int Fail(const std::string& what, const absl::Status& s) {
   std::fprintf(stderr, "kvcache-demo: %s: %s\n", what.c_str(),
@@ -223,6 +253,9 @@ int main(int argc, char** argv) {
           const std::vector<uint16_t>& original = original_kv(keys[b], b == 0);
           const uint16_t* back =
               reinterpret_cast<const uint16_t*>(got->blocks[b].bytes.data());
+          VerifyRead(
+              shape, &run, original,
+              absl::MakeConstSpan(back, got->blocks[b].bytes.size() / 2));
           for (size_t i = 0; i < original.size(); ++i) {
             float x = kvcache::kernels::HalfToFloat(original[i]);
             float y = kvcache::kernels::HalfToFloat(back[i]);
@@ -305,5 +338,26 @@ int main(int argc, char** argv) {
       static_cast<unsigned long long>(stats->lookup_misses),
       static_cast<unsigned long long>(total_turns));
   std::printf("metrics: http://%s/metrics\n", args.metrics.c_str());
-  return 0;
+  std::printf(
+      "\nevery block read checked against its legal states (as written; its "
+      "codec's round trip):\n");
+  uint64_t wrong = 0;
+  for (const CodecRun& run : runs) {
+    std::printf(
+        "  %-10s %8llu reads: %llu as written, %llu round trips, %llu "
+        "wrong, %llu non-finite elements\n",
+        std::string(kvcache::kernels::CodecName(run.codec)).c_str(),
+        static_cast<unsigned long long>(run.blocks_read),
+        static_cast<unsigned long long>(run.as_written),
+        static_cast<unsigned long long>(run.round_trips),
+        static_cast<unsigned long long>(run.wrong),
+        static_cast<unsigned long long>(run.non_finite));
+    if (!run.first_wrong.empty()) {
+      std::fprintf(stderr, "kvcache-demo: %s: first wrong read: %s\n",
+                   run.ns.c_str(), run.first_wrong.c_str());
+    }
+    wrong += run.wrong + run.non_finite;
+  }
+  std::printf("wrong reads: %llu\n", static_cast<unsigned long long>(wrong));
+  return wrong == 0 ? 0 : 1;
 }

@@ -251,6 +251,52 @@ inline size_t EngineOffset(const EngineCache& c, uint32_t kv, uint64_t p,
          l.head_dim;
 }
 
+// Block b of the prompt as the prefill worker stores it: for each layer,
+// K then V, [T][H][D] (kernels/codec.h).
+inline std::vector<uint16_t> SourceBlock(const WorkerArgs& a,
+                                         const std::vector<uint32_t>& tokens,
+                                         uint32_t b) {
+  std::vector<uint16_t> block(size_t{2} * a.layers * a.tokens_per_block *
+                              a.kv_heads * a.head_dim);
+  size_t i = 0;
+  for (uint32_t l = 0; l < a.layers; ++l) {
+    for (uint32_t kv = 0; kv < 2; ++kv) {
+      for (uint32_t t = 0; t < a.tokens_per_block; ++t) {
+        const uint64_t p = uint64_t{b} * a.tokens_per_block + t;
+        for (uint32_t h = 0; h < a.kv_heads; ++h) {
+          for (uint32_t d = 0; d < a.head_dim; ++d) {
+            block[i++] = SyntheticKv(a.prompt_seed, p, tokens[p], l, kv, h, d);
+          }
+        }
+      }
+    }
+  }
+  return block;
+}
+
+// Block b of the prompt as it lies in `engine`'s paged cache, gathered into
+// the layout of SourceBlock.
+inline std::vector<uint16_t> EngineBlock(const WorkerArgs& a,
+                                         const EngineCache& engine,
+                                         uint32_t b) {
+  std::vector<uint16_t> block(size_t{2} * a.layers * a.tokens_per_block *
+                              a.kv_heads * a.head_dim);
+  uint16_t* out = block.data();
+  for (uint32_t l = 0; l < a.layers; ++l) {
+    for (uint32_t kv = 0; kv < 2; ++kv) {
+      for (uint32_t t = 0; t < a.tokens_per_block; ++t) {
+        const uint64_t p = uint64_t{b} * a.tokens_per_block + t;
+        for (uint32_t h = 0; h < a.kv_heads; ++h) {
+          const uint16_t* row =
+              engine.tensors[l].data() + EngineOffset(engine, kv, p, h);
+          out = std::copy(row, row + a.head_dim, out);
+        }
+      }
+    }
+  }
+  return block;
+}
+
 }  // namespace kvcache::examples
 
 #endif  // KVCACHE_CLIENT_EXAMPLES_WORKER_COMMON_H_
