@@ -49,6 +49,7 @@ class LegalStates {
 
   // Whether kSource is legal for this policy (codec none or KIVI).
   bool source_is_legal() const { return source_legal_; }
+  const std::vector<uint16_t>& source() const { return source_; }
   const std::vector<uint16_t>& round_trip() const { return round_trip_; }
 
  private:

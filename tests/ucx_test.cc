@@ -694,12 +694,13 @@ class FakeNode {
     Send(ep, ucx::kAmReadData, ucx::Encode(d), data, length);
   }
   static void SendStatus(ucp_ep_h ep, const ucx::ReadStartHeader& h,
-                         uint32_t data_messages) {
+                         uint32_t data_messages, uint32_t layers_done = 1,
+                         uint32_t num_layers = 1) {
     ucx::ReadStatusHeader s;
     s.read_id = h.read_id;
     s.token = h.token;
-    s.layers_done = 1;
-    s.num_layers = 1;
+    s.layers_done = layers_done;
+    s.num_layers = num_layers;
     s.has_data_messages = true;
     s.data_messages = data_messages;
     Send(ep, ucx::kAmReadStatus, ucx::Encode(s), nullptr, 0);
@@ -1059,6 +1060,52 @@ TEST_P(UcxTest, BlocksStayPinnedUntilEveryDataMessageIsSent) {
         << "block " << b << " is not the bytes that were read";
   }
   ExpectNothingHeld(absl::Seconds(5));
+}
+
+// A layer is reported only once the data messages sent before its status
+// have landed, not once as many messages have landed: over tcp a later
+// eager piece (layer 2) lands at once while an earlier rendezvous piece
+// (layer 1) is still on its way, and counting it would report layer 1 with
+// its bytes missing. The fake node sends layer 1 as one rendezvous piece,
+// reports it, sends layer 2 as an eager piece and reports that, then
+// stops progressing for a while, so the rendezvous bytes cannot flow yet.
+TEST_P(UcxTest, ALayerIsReportedOnlyOnceTheMessagesBeforeItHaveLanded) {
+  if (!GetParam().tcp() || GetParam().delivery != ucx::ReadDelivery::kAuto) {
+    GTEST_SKIP() << "data messages are a tcp read's delivery";
+  }
+  FakeNode fake;
+  ASSERT_FALSE(fake.address().empty());
+  auto plane = ucx::ClientPlane::Create();
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  ucx::NodeAddress address;
+  address.listener = "127.0.0.1:1";  // unused: the worker address is set
+  address.worker = fake.address();
+  address.message_reads = true;
+  constexpr size_t kLayer = 256 << 10;
+  static std::vector<uint8_t> payload(kLayer);
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = i * 13 + 5;
+  const uint8_t* data = payload.data();
+  fake.set_on_read([data](ucp_ep_h ep, const ucx::ReadStartHeader& h) {
+    FakeNode::SendData(ep, h, 0, 0, data, kLayer);  // layer 1: rendezvous
+    FakeNode::SendStatus(ep, h, 1, 1, 2);
+    FakeNode::SendData(ep, h, 0, kLayer, data, 1024);  // layer 2: eager
+    FakeNode::SendStatus(ep, h, 2, 2, 2);
+    absl::SleepFor(absl::Milliseconds(300));  // no progress: no rendezvous
+  });
+  auto region = (*plane)->Allocate(kLayer + 1024);
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::shared_ptr<ucx::MemoryRegion> shared = *std::move(region);
+  std::memset(shared->data(), 0, shared->size());
+  const uint64_t base = reinterpret_cast<uint64_t>(shared->data());
+  auto read = (*plane)->StartRead(address, 7, *ucx::NewToken(), shared, {base},
+                                  2, /*per_layer=*/true);
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_TRUE((*read)->WaitLayers(1, absl::Now() + absl::Seconds(10)).ok());
+  EXPECT_TRUE(std::equal(data, data + kLayer, shared->data()))
+      << "layer 1 was reported before its bytes landed";
+  ASSERT_TRUE((*read)->WaitLayers(2, absl::Now() + absl::Seconds(10)).ok());
+  EXPECT_TRUE(std::equal(data, data + 1024, shared->data() + kLayer));
+  read->reset();
 }
 
 // A read whose destinations do not lie inside the region it registered is

@@ -10,6 +10,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/container/btree_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/memory/memory.h"
 #include "absl/strings/cord.h"
@@ -153,7 +154,12 @@ struct ClientPlane::ReadState {
   // into the region; the latest status that waits for more to land (see
   // ReadStatusHeader::data_messages); and the end that waits for receives
   // to finish.
-  uint32_t messages_landed = 0;
+  // Messages are numbered in the order they arrive (the order the node
+  // sent them); landed_prefix: how many leading ones have all landed;
+  // landed_later: those landed beyond it.
+  uint32_t messages_arrived = 0;
+  uint32_t landed_prefix = 0;
+  absl::btree_set<uint32_t> landed_later;
   uint32_t receiving = 0;
   std::optional<ReadStatusHeader> waiting_status;
   std::optional<absl::Status> detach_when_received;
@@ -607,7 +613,7 @@ ucs_status_t ClientPlane::OnReadStatus(
   if (state == nullptr) return UCS_OK;
   const absl::string_view message(static_cast<const char*>(data), length);
   if (h->code == 0 && h->has_data_messages &&
-      state->messages_landed < h->data_messages) {
+      state->landed_prefix < h->data_messages) {
     // Layers whose data is still landing: applied by DataLanded.
     state->waiting_status = *h;
     return UCS_OK;
@@ -657,9 +663,10 @@ ucs_status_t ClientPlane::OnReadData(
     return drop(UCS_ERR_INVALID_PARAM);
   }
   void* destination = reinterpret_cast<void*>(at);
+  const uint32_t index = state->messages_arrived++;
   if (!rendezvous) {
     std::memcpy(destination, data, length);
-    self->DataLanded(state, absl::OkStatus());
+    self->DataLanded(state, index, absl::OkStatus());
     return UCS_OK;
   }
   ++state->receiving;
@@ -676,16 +683,16 @@ ucs_status_t ClientPlane::OnReadData(
         }
         return ucp_am_recv_data_nbx(worker, data, destination, length, &p);
       },
-      [self, state](absl::Status status) {
+      [self, state, index](absl::Status status) {
         self->loop_->AddBusy(-1);
         --state->receiving;
-        self->DataLanded(state, status);
+        self->DataLanded(state, index, status);
       });
   return UCS_OK;
 }
 
 void ClientPlane::DataLanded(const std::shared_ptr<ReadState>& state,
-                             const absl::Status& status) {
+                             uint32_t index, const absl::Status& status) {
   if (state->detach_when_received.has_value()) {
     if (state->receiving == 0) state->Detach(*state->detach_when_received);
     return;
@@ -694,9 +701,18 @@ void ClientPlane::DataLanded(const std::shared_ptr<ReadState>& state,
     EndRead(state->token, 0, status);
     return;
   }
-  ++state->messages_landed;
+  if (index == state->landed_prefix) {
+    ++state->landed_prefix;
+    while (!state->landed_later.empty() &&
+           *state->landed_later.begin() == state->landed_prefix) {
+      state->landed_later.erase(state->landed_later.begin());
+      ++state->landed_prefix;
+    }
+  } else {
+    state->landed_later.insert(index);
+  }
   if (!state->waiting_status.has_value() ||
-      state->messages_landed < state->waiting_status->data_messages) {
+      state->landed_prefix < state->waiting_status->data_messages) {
     return;
   }
   const ReadStatusHeader h = *state->waiting_status;

@@ -165,7 +165,8 @@ class ClientPlane {
   // The read named by `token` bytes, if it is in progress.
   std::shared_ptr<ReadState> FindRead(const std::string& token);
   // A data message of `state` has landed (or failed: `status`).
-  void DataLanded(const std::shared_ptr<ReadState>& state,
+  // `index`: the message's place in the order the read's messages arrived.
+  void DataLanded(const std::shared_ptr<ReadState>& state, uint32_t index,
                   const absl::Status& status);
   // Ends `state` once none of its data messages is still being received
   // (their bytes land in its region until then).

@@ -52,8 +52,12 @@
 //                  more. The client checks every piece against its region
 //                  and block count. The statuses of such a read carry
 //                  `data_messages`, the number of kAmReadData messages sent
-//                  before them: the client applies a status only once that
-//                  many have landed.
+//                  before them: the client applies a status only once the
+//                  first that many messages of the read have landed (in the
+//                  order they arrive, which on one connection is the order
+//                  they were sent), not merely that many: a later eager
+//                  piece lands while an earlier rendezvous one is still
+//                  being received.
 //
 // Invariants:
 //  * A token is 16 bytes from the kernel's CSPRNG (getrandom), issued by the
