@@ -887,80 +887,95 @@ absl::StatusOr<GetResult> Client::Get(const std::string& ns,
                                       const ReadOptions& read,
                                       const CallOptions& call) {
   const CallScope scope = impl_->Scope(call);
-  const bool want = impl_->AskForDataPlane();
-  absl::StatusOr<Impl::Begun> begun = impl_->BeginRead(
-      ns, keys, read, read.pin_lease, /*inline_data=*/!want, scope);
-  if (!begun.ok()) return begun.status();
-  v1::BeginReadResponse& response = begun->response;
-  GetResult& result = begun->metadata;
-  if (!OverDataPlane(response)) {
-    if (absl::Status s = impl_->CheckInline(want, response); !s.ok()) {
-      return s;
+  // One read: over the data plane when the node offers it, inline
+  // otherwise (and, with kAuto, when the data plane cannot be reached).
+  auto once = [&](const ReadOptions& r) -> absl::StatusOr<GetResult> {
+    const bool want = impl_->AskForDataPlane();
+    absl::StatusOr<Impl::Begun> begun = impl_->BeginRead(
+        ns, keys, r, r.pin_lease, /*inline_data=*/!want, scope);
+    if (!begun.ok()) return begun.status();
+    v1::BeginReadResponse& response = begun->response;
+    GetResult& result = begun->metadata;
+    if (!OverDataPlane(response)) {
+      if (absl::Status s = impl_->CheckInline(want, response); !s.ok()) {
+        return s;
+      }
+      for (int i = 0; i < response.blocks_size(); ++i) {
+        result.blocks[i].bytes =
+            std::move(*response.mutable_blocks(i)->mutable_data());
+      }
+      return std::move(result);
     }
-    for (int i = 0; i < response.blocks_size(); ++i) {
-      result.blocks[i].bytes =
-          std::move(*response.mutable_blocks(i)->mutable_data());
+    // Over the data plane: into a region UCX allocates (shared memory where a
+    // transport offers it), then copied out into the result's strings.
+    std::vector<uint64_t> offsets;
+    uint64_t total = 0;
+    for (const v1::BlockData& b : response.blocks()) {
+      offsets.push_back(total);
+      total += CacheLineRound(b.length());
     }
-    return std::move(result);
+    absl::Status st = [&]() -> absl::Status {
+      absl::StatusOr<ucx::ClientPlane*> ucx_plane = impl_->Plane();
+      if (!ucx_plane.ok()) return ucx_plane.status();
+      // A DataBuffer from the client's pool: the node keeps its key, and it
+      // goes back to the pool when this read is over.
+      absl::StatusOr<std::unique_ptr<DataBuffer>> landing =
+          AllocateBuffer(std::max<uint64_t>(total, 64));
+      if (!landing.ok()) return landing.status();
+      const uint8_t* base = (*landing)->data();
+      uint64_t buffer_id = 0;
+      std::shared_ptr<ucx::MemoryRegion> region =
+          impl_->BufferHolding(base, (*landing)->size(), &buffer_id);
+      if (region == nullptr) {
+        return absl::UnavailableError("no registered memory for the read");
+      }
+      absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
+          impl_->StartRead(*ucx_plane, response, std::move(region), offsets,
+                           /*per_layer=*/false, buffer_id);
+      if (!transfer.ok()) return transfer.status();
+      // Not cut short by a cancel: an abandoned transfer would close the
+      // connection (and, without peer failure handling, could not stop the
+      // node's puts into the region). Bounded by the deadline.
+      absl::Status done =
+          (*transfer)->WaitLayers((*transfer)->num_layers(), scope.deadline);
+      if (!done.ok()) return done;
+      if (scope.cancelled()) return CallerCancelled();
+      for (int i = 0; i < response.blocks_size(); ++i) {
+        result.blocks[i].bytes.assign(
+            reinterpret_cast<const char*>(base + offsets[i]),
+            response.blocks(i).length());
+      }
+      return absl::OkStatus();
+    }();
+    if (st.ok()) return std::move(result);
+    // kAuto: when the data plane cannot be reached, read inline instead (a
+    // pin lease, if any, was taken over by the first attempt).
+    impl_->AbandonRead(response.read_id());
+    if (impl_->options.data_plane == DataPlane::kAuto &&
+        st.code() == absl::StatusCode::kUnavailable) {
+      impl_->NoteFallback(st);
+      absl::StatusOr<Impl::Begun> again =
+          impl_->BeginRead(ns, keys, r, 0, /*inline_data=*/true, scope);
+      if (!again.ok()) return again.status();
+      for (int i = 0; i < again->response.blocks_size(); ++i) {
+        again->metadata.blocks[i].bytes =
+            std::move(*again->response.mutable_blocks(i)->mutable_data());
+      }
+      return std::move(again->metadata);
+    }
+    return st;
+  };
+  absl::StatusOr<GetResult> got = once(read);
+  if (!got.ok() && ucx::IsFreshConnectionReset(got.status()) &&
+      !scope.cancelled() && absl::Now() < scope.deadline) {
+    // The connection was reset before it carried any transfer (a node
+    // resuming from a pause resets the connections it tears down): once
+    // more, on a new one. The first attempt took over a pin lease, if any.
+    ReadOptions again = read;
+    again.pin_lease = 0;
+    got = once(again);
   }
-  // Over the data plane: into a region UCX allocates (shared memory where a
-  // transport offers it), then copied out into the result's strings.
-  std::vector<uint64_t> offsets;
-  uint64_t total = 0;
-  for (const v1::BlockData& b : response.blocks()) {
-    offsets.push_back(total);
-    total += CacheLineRound(b.length());
-  }
-  absl::Status st = [&]() -> absl::Status {
-    absl::StatusOr<ucx::ClientPlane*> ucx_plane = impl_->Plane();
-    if (!ucx_plane.ok()) return ucx_plane.status();
-    // A DataBuffer from the client's pool: the node keeps its key, and it
-    // goes back to the pool when this read is over.
-    absl::StatusOr<std::unique_ptr<DataBuffer>> landing =
-        AllocateBuffer(std::max<uint64_t>(total, 64));
-    if (!landing.ok()) return landing.status();
-    const uint8_t* base = (*landing)->data();
-    uint64_t buffer_id = 0;
-    std::shared_ptr<ucx::MemoryRegion> region =
-        impl_->BufferHolding(base, (*landing)->size(), &buffer_id);
-    if (region == nullptr) {
-      return absl::UnavailableError("no registered memory for the read");
-    }
-    absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
-        impl_->StartRead(*ucx_plane, response, std::move(region), offsets,
-                         /*per_layer=*/false, buffer_id);
-    if (!transfer.ok()) return transfer.status();
-    // Not cut short by a cancel: an abandoned transfer would close the
-    // connection (and, without peer failure handling, could not stop the
-    // node's puts into the region). Bounded by the deadline.
-    absl::Status done =
-        (*transfer)->WaitLayers((*transfer)->num_layers(), scope.deadline);
-    if (!done.ok()) return done;
-    if (scope.cancelled()) return CallerCancelled();
-    for (int i = 0; i < response.blocks_size(); ++i) {
-      result.blocks[i].bytes.assign(
-          reinterpret_cast<const char*>(base + offsets[i]),
-          response.blocks(i).length());
-    }
-    return absl::OkStatus();
-  }();
-  if (st.ok()) return std::move(result);
-  // kAuto: when the data plane cannot be reached, read inline instead (a
-  // pin lease, if any, was taken over by the first attempt).
-  impl_->AbandonRead(response.read_id());
-  if (impl_->options.data_plane == DataPlane::kAuto &&
-      st.code() == absl::StatusCode::kUnavailable) {
-    impl_->NoteFallback(st);
-    absl::StatusOr<Impl::Begun> again =
-        impl_->BeginRead(ns, keys, read, 0, /*inline_data=*/true, scope);
-    if (!again.ok()) return again.status();
-    for (int i = 0; i < again->response.blocks_size(); ++i) {
-      again->metadata.blocks[i].bytes =
-          std::move(*again->response.mutable_blocks(i)->mutable_data());
-    }
-    return std::move(again->metadata);
-  }
-  return st;
+  return got;
 }
 
 absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(

@@ -659,6 +659,9 @@ class FakeNode {
     if (loop_ != nullptr) loop_->Stop(nullptr);
   }
 
+  // Runs `task` on the fake node's progress thread (outside any callback).
+  void Post(std::function<void()> task) { loop_->Post(std::move(task)); }
+
   void set_on_read(OnRead on_read) {
     std::lock_guard<std::mutex> lock(mu_);
     on_read_ = std::move(on_read);
@@ -1106,6 +1109,55 @@ TEST_P(UcxTest, ALayerIsReportedOnlyOnceTheMessagesBeforeItHaveLanded) {
   ASSERT_TRUE((*read)->WaitLayers(2, absl::Now() + absl::Seconds(10)).ok());
   EXPECT_TRUE(std::equal(data, data + 1024, shared->data() + kLayer));
   read->reset();
+}
+
+// A connection that fails before any transfer on it completed carried no
+// call to its end: its failure says so (IsFreshConnectionReset), and
+// Client::Get tries such a read once more on a new connection (a node
+// resuming from a pause resets connections so). Once a transfer has
+// completed on a connection, its failure is an ordinary UNAVAILABLE.
+TEST_P(UcxTest, AConnectionResetBeforeItsFirstTransferSaysSo) {
+  if (!GetParam().tcp()) GTEST_SKIP() << "shared memory has no peer errors";
+  FakeNode fake;
+  ASSERT_FALSE(fake.address().empty());
+  auto plane = ucx::ClientPlane::Create();
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  ucx::NodeAddress address;
+  address.listener = "127.0.0.1:1";  // unused: the worker address is set
+  address.worker = fake.address();
+  address.message_reads = true;
+  static std::vector<uint8_t> payload(1024, 0x5A);
+  const uint8_t* data = payload.data();
+  std::atomic<bool> reset{true};
+  fake.set_on_read([&](ucp_ep_h ep, const ucx::ReadStartHeader& h) {
+    if (!reset) {
+      FakeNode::SendData(ep, h, 0, 0, data, payload.size());
+      FakeNode::SendStatus(ep, h, 1);
+      return;
+    }
+    // Force-closing the endpoint resets the client's TCP connection.
+    fake.Post([ep] { ucx::Endpoint::Adopt(ep).reset(); });
+  });
+  auto read_once = [&](uint64_t id) {
+    auto region = (*plane)->Allocate(4096);
+    if (!region.ok()) return region.status();
+    std::shared_ptr<ucx::MemoryRegion> shared = *std::move(region);
+    const uint64_t base = reinterpret_cast<uint64_t>(shared->data());
+    auto read = (*plane)->StartRead(address, id, *ucx::NewToken(), shared,
+                                    {base}, 1, /*per_layer=*/false);
+    if (!read.ok()) return read.status();
+    return (*read)->WaitLayers(1, absl::Now() + absl::Seconds(10));
+  };
+  absl::Status first = read_once(1);
+  EXPECT_EQ(first.code(), absl::StatusCode::kUnavailable) << first;
+  EXPECT_TRUE(ucx::IsFreshConnectionReset(first)) << first;
+  reset = false;
+  absl::Status second = read_once(2);
+  ASSERT_TRUE(second.ok()) << second;
+  reset = true;
+  absl::Status third = read_once(3);
+  EXPECT_EQ(third.code(), absl::StatusCode::kUnavailable) << third;
+  EXPECT_FALSE(ucx::IsFreshConnectionReset(third)) << third;
 }
 
 // A read whose destinations do not lie inside the region it registered is
@@ -2203,17 +2255,12 @@ TEST_P(UcxTest, PausedNodeEndsCallsAtTheirDeadlineOrWhenCancelled) {
     EXPECT_LT(absl::Now() - start, absl::Milliseconds(800));
   }
   node.Resume();
-  // Resumed, the node serves the client again (over a new connection). The
+  // Resumed, the node serves the client again, at the first call. The
   // node's teardown of the connections force-closed while it was paused
-  // can still reset the TCP connection UCX shares between endpoints of the
-  // same two workers; the call then fails UNAVAILABLE, and a caller tries
-  // again (docs/architecture.md, "Failure"). Seen in about 1 of 6 loaded
-  // runs of the tcp variants (the fifth session's note).
-  absl::StatusOr<GetResult> got = absl::UnavailableError("not tried");
-  for (int attempt = 0; attempt < 3 && absl::IsUnavailable(got.status());
-       ++attempt) {
-    got = (*client)->Get("paused", Keys(0, kBlocks));
-  }
+  // can reset the TCP connection UCX shares between endpoints of the same
+  // two workers; the client then tries the read once more on a new
+  // connection (IsFreshConnectionReset).
+  absl::StatusOr<GetResult> got = (*client)->Get("paused", Keys(0, kBlocks));
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->blocks.size(), static_cast<size_t>(kBlocks));
 }

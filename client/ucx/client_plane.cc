@@ -32,6 +32,8 @@ constexpr absl::Duration kAbandonGrace = absl::Seconds(5);
 constexpr absl::Duration kConnectCheckInterval = absl::Seconds(1);
 constexpr absl::string_view kNotConnectedPayload =
     "type.kvcache.dev/kvcache.ucx.DataPlaneNotConnected";
+constexpr absl::string_view kFreshResetPayload =
+    "type.kvcache.dev/kvcache.ucx.FreshConnectionReset";
 
 std::chrono::system_clock::time_point Chrono(absl::Time t) {
   if (t == absl::InfiniteFuture()) {
@@ -127,6 +129,11 @@ struct ClientPlane::Connection {
   // node's puts into a read's region.
   bool peer_errors = true;
   bool described = false;  // lanes printed (KVCACHE_UCX_DEBUG)
+  // Whether a transfer on it has completed (a read ended OK, a block was
+  // sent). A connection that fails before that carried no byte of any
+  // call to its end: its calls may be tried again on a new connection
+  // (IsFreshConnectionReset).
+  bool used = false;
   // Whether UCX has connected it: set by a flush issued when it was made,
   // whose callback shares the flag (a forced close may run that callback
   // while the connection is being destroyed). One still not established
@@ -351,6 +358,11 @@ bool IsDataPlaneNotConnected(const absl::Status& status) {
          status.GetPayload(kNotConnectedPayload).has_value();
 }
 
+bool IsFreshConnectionReset(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kUnavailable &&
+         status.GetPayload(kFreshResetPayload).has_value();
+}
+
 void ClientPlane::OnEndpointError(void* arg, ucp_ep_h ep,
                                   ucs_status_t status) noexcept {
   auto* self = static_cast<ClientPlane*>(arg);
@@ -360,6 +372,14 @@ void ClientPlane::OnEndpointError(void* arg, ucp_ep_h ep,
   if (conn == self->connections_.end()) return;
   uint64_t id = conn->second->id;
   absl::Status why = UcxStatus(status, "data-plane connection failed");
+  if (!conn->second->used) {
+    // Seen when a node resumes after a pause: its teardown of the
+    // connections force-closed meanwhile resets the TCP connection UCX
+    // shares with the new endpoint.
+    why = absl::UnavailableError(absl::StrCat(
+        why.message(), " before its first transfer completed"));
+    why.SetPayload(kFreshResetPayload, absl::Cord());
+  }
   // Closing from inside a UCX callback is not allowed: defer it.
   self->loop_->Post([self, id, why] { self->CloseConnection(id, why); });
 }
@@ -378,6 +398,11 @@ void ClientPlane::CloseConnection(uint64_t conn_id, const absl::Status& why) {
     }
     return;
   }
+}
+
+void ClientPlane::MarkUsed(const std::string& address) {
+  auto it = connections_.find(address);
+  if (it != connections_.end()) it->second->used = true;
 }
 
 void ClientPlane::DescribeOnce(const std::string& address) {
@@ -450,7 +475,10 @@ absl::Status ClientPlane::SendBlocks(const NodeAddress& address,
               },
               [this, state, key = address.key()](absl::Status status) {
                 loop_->AddBusy(-1);
-                if (status.ok()) DescribeOnce(key);
+                if (status.ok()) {
+                  MarkUsed(key);
+                  DescribeOnce(key);
+                }
                 state->Complete(1, status);
               },
               Encode(h));
@@ -741,6 +769,7 @@ void ClientPlane::EndRead(const std::string& token, uint32_t layers_done,
   auto conn = connections_.find(by_token->second);
   read_connection_.erase(by_token);
   if (conn == connections_.end()) return;
+  if (status.ok()) conn->second->used = true;
   auto it = conn->second->reads.find(token);
   if (it == conn->second->reads.end()) return;
   std::shared_ptr<ReadState> state = std::move(it->second);

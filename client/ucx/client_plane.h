@@ -81,6 +81,11 @@ inline constexpr absl::Duration kConnectTimeout = absl::Seconds(2);
 // within kConnectTimeout.
 bool IsDataPlaneNotConnected(const absl::Status& status);
 
+// Whether `status` is the failure of a connection that failed before any
+// transfer on it completed (UNAVAILABLE). The call's bytes did not all
+// travel; it may be tried again once on a new connection.
+bool IsFreshConnectionReset(const absl::Status& status);
+
 class ClientPlane {
  public:
   static absl::StatusOr<std::unique_ptr<ClientPlane>> Create();
@@ -178,6 +183,8 @@ class ClientPlane {
   // Closes the connection of `key` as UNAVAILABLE (IsDataPlaneNotConnected)
   // if UCX has not connected it kConnectTimeout after it was made.
   void CloseIfNotConnected(const std::string& key);
+  // A transfer on the connection of `address` completed (Connection::used).
+  void MarkUsed(const std::string& address);
   // With KVCACHE_UCX_DEBUG set: prints the connection's transport lanes
   // once, after its first completed transfer.
   void DescribeOnce(const std::string& address);
