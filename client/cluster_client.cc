@@ -189,7 +189,7 @@ absl::string_view RoutingBytes(absl::string_view key, uint32_t prefix) {
 std::vector<NodePlan> PlanByOwner(
     const Membership& m, size_t n,
     absl::FunctionRef<absl::string_view(size_t)> key, uint32_t routing_prefix,
-    absl::Duration probe_window) {
+    absl::Duration probe_window, std::string* skipped = nullptr) {
   std::vector<NodePlan> plans;
   if (m.nodes.empty()) return plans;
   std::vector<std::vector<uint32_t>> by_node(m.nodes.size());
@@ -202,7 +202,10 @@ std::vector<NodePlan> PlanByOwner(
   for (size_t j = 0; j < m.nodes.size(); ++j) {
     if (by_node[j].empty()) continue;
     uint64_t epoch = 0;
-    if (!TryUse(*m.nodes[j], now, probe_window, &epoch)) continue;
+    if (!TryUse(*m.nodes[j], now, probe_window, &epoch)) {
+      if (skipped != nullptr && skipped->empty()) *skipped = m.nodes[j]->id;
+      continue;
+    }
     plans.push_back({m.nodes[j], epoch, std::move(by_node[j])});
   }
   return plans;
@@ -967,15 +970,28 @@ void ClusterClient::PutAsync(const std::string& ns_name,
         r.unavailable =
             confirmed >= n ? 0 : static_cast<uint32_t>(n - confirmed);
         unavailable_keys_.fetch_add(r.unavailable);
+        if (r.unavailable + r.rejected > 0 && r.why_not_stored.ok()) {
+          r.why_not_stored = absl::DeadlineExceededError(
+              "the call ended before the owners of some blocks answered");
+        }
         return r;
       },
       std::move(done));
   Arm(call, options.cancel);
   std::shared_ptr<const Namespace> space = *ns;
-  for (NodePlan& plan : PlanByOwner(
-           *Members(), writes->size(),
-           [&](size_t i) { return absl::string_view((*writes)[i].key); },
-           options_.routing_prefix_bytes, options_.rpc_timeout)) {
+  std::string skipped;
+  std::vector<NodePlan> plans = PlanByOwner(
+      *Members(), writes->size(),
+      [&](size_t i) { return absl::string_view((*writes)[i].key); },
+      options_.routing_prefix_bytes, options_.rpc_timeout, &skipped);
+  if (!skipped.empty()) {
+    call->AddTask();
+    call->TaskDone([&](Partial& p) {
+      p.result.why_not_stored = absl::UnavailableError(absl::StrCat(
+          "node ", skipped, " is skipped while it backs off after failures"));
+    });
+  }
+  for (NodePlan& plan : plans) {
     for (std::vector<uint32_t>& chunk :
          Chunks(plan.indices, space->chunk_blocks)) {
       call->AddTask();
@@ -983,7 +999,10 @@ void ClusterClient::PutAsync(const std::string& ns_name,
                    epoch = plan.epoch, chunk = std::move(chunk)] {
         ClusterPutResult part;
         std::optional<absl::Status> error;
-        if (StillUsable(*node, epoch)) {
+        if (!StillUsable(*node, epoch)) {
+          part.why_not_stored = absl::UnavailableError(absl::StrCat(
+              "node ", node->id, " failed while this call was queued"));
+        } else {
           std::vector<BlockWrite> sub;
           sub.reserve(chunk.size());
           for (uint32_t i : chunk) sub.push_back((*writes)[i]);
@@ -1004,11 +1023,18 @@ void ClusterClient::PutAsync(const std::string& ns_name,
           } else if (IsCallerError(st.code())) {
             error = st;
           }
+          if (!st.ok()) {
+            part.why_not_stored = absl::Status(
+                st.code(), absl::StrCat("node ", node->id, ": ", st.message()));
+          }
         }
         call->TaskDone([&](Partial& p) {
           p.result.stored += part.stored;
           p.result.skipped += part.skipped;
           p.result.rejected += part.rejected;
+          if (p.result.why_not_stored.ok()) {
+            p.result.why_not_stored = part.why_not_stored;
+          }
           if (error.has_value() && !p.error.has_value()) p.error = error;
         });
       };

@@ -321,6 +321,7 @@ TEST_F(ClusterTest, PutLookupGetShardAcrossNodes) {
     ASSERT_TRUE(put.ok()) << put.status();
     EXPECT_EQ(put->stored, static_cast<uint32_t>(kBlocksPerChain));
     EXPECT_EQ(put->unavailable + put->rejected + put->skipped, 0u);
+    EXPECT_TRUE(put->why_not_stored.ok()) << put->why_not_stored;
     for (const std::string& k : keys) ++owners[cc->OwnerOf(k)];
 
     auto hit = cc->Lookup("ns", keys);
@@ -530,6 +531,12 @@ TEST_F(ClusterTest, AllNodesDownIsMissesNotErrors) {
   ASSERT_TRUE(put.ok()) << put.status();
   EXPECT_EQ(put->unavailable, keys.size());
   EXPECT_EQ(put->stored, 0u);
+  // It says why: the first owner's answer, naming the owner.
+  EXPECT_EQ(put->why_not_stored.code(), absl::StatusCode::kUnavailable)
+      << put->why_not_stored;
+  EXPECT_NE(put->why_not_stored.message().find("node 127.0.0.1:"),
+            std::string::npos)
+      << put->why_not_stored;
   // Every node that owns one of the keys was tried and is now marked down (a
   // node that owns none of them, possible at random ports, was never tried).
   std::set<std::string> owners;

@@ -107,6 +107,14 @@ int Run(const WorkerArgs& a) {
   for (const auto& [node, n] : per_node) {
     std::printf("prefill:   %d blocks -> %s\n", n, node.c_str());
   }
+  if (put.unavailable + put.rejected > 0) {
+    // A prefill that could not store its KV says why, and fails when it
+    // stored none of it.
+    std::fprintf(stderr, "prefill: %u blocks not stored: %s\n",
+                 put.unavailable + put.rejected,
+                 put.why_not_stored.ToString().c_str());
+    if (put.stored + put.skipped == 0) return 1;
+  }
   return 0;
 }
 

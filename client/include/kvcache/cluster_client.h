@@ -146,6 +146,11 @@ struct ClusterPutResult {
   uint32_t unavailable = 0;
   // Not stored: the owner stayed full (RESOURCE_EXHAUSTED) after retries.
   uint32_t rejected = 0;
+  // Why: the first status an owner answered for blocks counted unavailable
+  // or rejected (UNAVAILABLE naming an owner skipped while it backs off
+  // after failures; DEADLINE_EXCEEDED when the call ended before owners
+  // answered). OK when every block was stored or skipped.
+  absl::Status why_not_stored;
 };
 
 struct ClusterGetResult {
