@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh Debian 12 machine: installs what is
 # missing, builds, runs every ctest test (unit, integration, process and
-# metrics tests), the store stress test under ThreadSanitizer, a local
+# metrics tests), the verifying soak (kvcache-soak), every ctest test and
+# the soak again under AddressSanitizer + UndefinedBehaviorSanitizer, the
+# store, UCX and cluster tests and the soak under ThreadSanitizer, a local
 # observability run (real nodes, a real Prometheus, asserted by a test) and
 # the offline deployment checks. Exits non-zero on any failure.
 set -euo pipefail
@@ -23,12 +25,40 @@ echo "== build"
 echo "== ctest"
 (cd "$root/build" && ctest --output-on-failure -j "$(nproc)" --timeout 600)
 
-echo "== ThreadSanitizer: store stress test"
+stamp() { echo "   ($(( $(date +%s) - start )) s since the start)"; }
+
+echo "== soak: every read verified (${KVCACHE_SOAK_SECONDS:-60} s)"
+"$root/build/tools/kvcache-soak" --duration="${KVCACHE_SOAK_SECONDS:-60}"
+stamp
+
+# Sanitizer suppressions: only frames inside uninstrumented third-party
+# libraries (tests/sanitizers/*.supp say why, one line each).
+supp=$root/tests/sanitizers
+
+echo "== AddressSanitizer + UndefinedBehaviorSanitizer: every ctest test and the soak"
+cmake -S "$root" -B "$root/build-asan" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DKVCACHE_ASAN=ON -DKVCACHE_CUDA=OFF -DKVCACHE_BUILD_BENCH=OFF >/dev/null
+cmake --build "$root/build-asan" -j "$(nproc)"
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=0"
+export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+(cd "$root/build-asan" && ctest --output-on-failure -j "$(nproc)" --timeout 900)
+"$root/build-asan/tools/kvcache-soak" --duration="${KVCACHE_SANITIZER_SOAK_SECONDS:-45}"
+unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
+stamp
+
+echo "== ThreadSanitizer: store, UCX and cluster tests and the soak"
 cmake -S "$root" -B "$root/build-tsan" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DKVCACHE_TSAN=ON -DKVCACHE_CUDA=OFF -DKVCACHE_BUILD_BENCH=OFF >/dev/null
-cmake --build "$root/build-tsan" -j "$(nproc)" --target store_test
-TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
-  "$root/build-tsan/tests/store_test" --gtest_brief=1
+cmake --build "$root/build-tsan" -j "$(nproc)" --target store_test ucx_test \
+  cluster_client_test kvcache-node kvcache-soak
+export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$supp/tsan.supp"
+"$root/build-tsan/tests/store_test" --gtest_brief=1
+"$root/build-tsan/tests/ucx_test" --gtest_brief=1
+"$root/build-tsan/tests/cluster_client_test" --gtest_brief=1
+"$root/build-tsan/tools/kvcache-soak" --duration="${KVCACHE_SANITIZER_SOAK_SECONDS:-45}"
+unset TSAN_OPTIONS
+stamp
 
 echo "== observability: real nodes scraped by a real Prometheus"
 metrics_file=$(mktemp)

@@ -611,6 +611,11 @@ uint64_t NodeDataLoss(const std::vector<std::string>& nodes) {
   return total;
 }
 
+// The last 2000 bytes of `text`.
+std::string Tail(const std::string& text) {
+  return text.size() > 2000 ? text.substr(text.size() - 2000) : text;
+}
+
 std::string SelfPath(const char* argv0) {
   char buf[4096];
   const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
@@ -682,22 +687,29 @@ int ParentMain(const Args& a, const char* argv0) {
     if (!rc.ok() || *rc != 0 || !parsed) {
       ++failed;
       std::printf("  worker %d failed; its log %s ends:\n%s\n", k,
-                  logs[k].c_str(),
-                  ReadFile(logs[k])
-                      .substr(ReadFile(logs[k]).size() > 2000
-                                  ? ReadFile(logs[k]).size() - 2000
-                                  : 0)
-                      .c_str());
+                  logs[k].c_str(), Tail(ReadFile(logs[k])).c_str());
     }
     total.Merge(t);
   }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   PrintReport(total, seconds);
   const uint64_t data_loss = NodeDataLoss(addresses);
-  for (NodeProcess& n : nodes)
-    n.child.Stop(absl::Now() + absl::Seconds(10)).IgnoreError();
+  // A node must drain and exit 0 (under a sanitizer, a finding at exit
+  // makes its status non-zero).
+  int nodes_failed = 0;
+  for (NodeProcess& n : nodes) {
+    absl::StatusOr<int> rc = n.child.Stop(absl::Now() + absl::Seconds(30));
+    if (!rc.ok() || *rc != 0) {
+      ++nodes_failed;
+      std::printf("node %s did not exit 0 (%s); its log %s ends:\n%s\n",
+                  n.address.c_str(),
+                  rc.ok() ? absl::StrCat("exit ", *rc).c_str()
+                          : rc.status().ToString().c_str(),
+                  n.log_path.c_str(), Tail(ReadFile(n.log_path)).c_str());
+    }
+  }
   const bool ok = failed == 0 && total.wrong == 0 && total.unexpected == 0 &&
-                  data_loss == 0;
+                  data_loss == 0 && nodes_failed == 0;
   std::printf("kvcache-soak: %s\n", ok ? "PASSED" : "FAILED");
   return ok ? 0 : 1;
 }
