@@ -12,27 +12,29 @@ ThreadPool::ThreadPool(int threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    absl::MutexLock lock(&mu_);
+    store::MutexLock lock(&mu_);
     stopping_ = true;
   }
+  work_or_stop_.SignalAll();
   for (std::thread& t : threads_) t.join();
 }
 
 void ThreadPool::Schedule(std::function<void()> work) {
-  absl::MutexLock lock(&mu_);
-  queue_.push_back(std::move(work));
+  {
+    store::MutexLock lock(&mu_);
+    queue_.push_back(std::move(work));
+  }
+  work_or_stop_.Signal();
 }
 
 void ThreadPool::Run() {
   while (true) {
     std::function<void()> work;
     {
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
-          +[](ThreadPool* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) {
-            return p->stopping_ || !p->queue_.empty();
-          },
-          this));
+      store::MutexLock lock(&mu_);
+      work_or_stop_.Wait(&mu_, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !queue_.empty();
+      });
       if (queue_.empty()) return;  // stopping and drained
       work = std::move(queue_.front());
       queue_.pop_front();

@@ -1,4 +1,5 @@
-// Mutex and MutexLock: a std::mutex with Abseil's thread-safety annotations.
+// Mutex, MutexLock and CondVar: a std::mutex with Abseil's thread-safety
+// annotations, and a condition variable that waits on it.
 //
 // Why not absl::Mutex: Debian ships Abseil as uninstrumented shared
 // libraries, so ThreadSanitizer cannot see absl::Mutex's synchronization
@@ -8,6 +9,7 @@
 #ifndef KVCACHE_STORE_MUTEX_H_
 #define KVCACHE_STORE_MUTEX_H_
 
+#include <condition_variable>
 #include <mutex>
 
 #include "absl/base/thread_annotations.h"
@@ -20,6 +22,7 @@ class ABSL_LOCKABLE Mutex {
   void Unlock() ABSL_UNLOCK_FUNCTION() { mu_.unlock(); }
 
  private:
+  friend class CondVar;
   std::mutex mu_;
 };
 
@@ -34,6 +37,24 @@ class ABSL_SCOPED_LOCKABLE MutexLock {
 
  private:
   Mutex* mu_;
+};
+
+// Waits on a Mutex the caller holds (it is released while waiting and held
+// again on return).
+class CondVar {
+ public:
+  // Until `done()` holds; `done` runs with `mu` held.
+  template <typename Predicate>
+  void Wait(Mutex* mu, Predicate done) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
+    cv_.wait(lock, done);
+    lock.release();  // still held, by the caller's MutexLock
+  }
+  void SignalAll() { cv_.notify_all(); }
+  void Signal() { cv_.notify_one(); }
+
+ private:
+  std::condition_variable cv_;
 };
 
 }  // namespace kvcache::store

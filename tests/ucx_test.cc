@@ -169,6 +169,25 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     return k;
   }
 
+  // BeginRead over the data plane by hand, for tests that drive the read's
+  // transfer themselves: the answer must name the data plane.
+  kvcache::v1::BeginReadResponse BeginPlaneRead(
+      const std::string& ns, int first, int n, kvcache::v1::ReadFormat format) {
+    auto stub = kvcache::v1::KvCache::NewStub(
+        grpc::CreateChannel(Target(), grpc::InsecureChannelCredentials()));
+    kvcache::v1::BeginReadRequest request;
+    request.set_namespace_name(ns);
+    for (const std::string& k : Keys(first, n)) request.add_keys(k);
+    request.set_format(format);
+    kvcache::v1::BeginReadResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    grpc::Status rpc = stub->BeginRead(&ctx, request, &response);
+    EXPECT_TRUE(rpc.ok()) << rpc.error_message();
+    EXPECT_TRUE(response.has_data_plane());
+    return response;
+  }
+
   // Waits (bounded) until the node holds no data-plane state at all.
   void ExpectNothingHeld(absl::Duration within) {
     absl::Time deadline = absl::Now() + within;
@@ -1020,18 +1039,8 @@ TEST_P(UcxTest, BlocksStayPinnedUntilEveryDataMessageIsSent) {
   ASSERT_TRUE(
       client_->RegisterNamespace(Spec("held", Codec::kNone, shape)).ok());
   ASSERT_TRUE(PutChain(grpc_client_.get(), "held", shape, 0, 2).ok());
-  auto stub = kvcache::v1::KvCache::NewStub(
-      grpc::CreateChannel(Target(), grpc::InsecureChannelCredentials()));
-  kvcache::v1::BeginReadRequest request;
-  request.set_namespace_name("held");
-  request.add_keys(Key(0));
-  request.add_keys(Key(1));
-  request.set_format(kvcache::v1::READ_FORMAT_RAW);
-  kvcache::v1::BeginReadResponse response;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-  grpc::Status rpc = stub->BeginRead(&ctx, request, &response);
-  ASSERT_TRUE(rpc.ok()) << rpc.error_message();
+  const kvcache::v1::BeginReadResponse response =
+      BeginPlaneRead("held", 0, 2, kvcache::v1::READ_FORMAT_RAW);
   ASSERT_TRUE(response.has_data_plane());
   auto token = ucx::TokenFromBytes(response.data_plane().token());
   ASSERT_TRUE(token.ok());
@@ -1170,22 +1179,12 @@ TEST_P(UcxTest, ReadDestinationsOutsideTheRegionAreRefused) {
   ASSERT_TRUE(
       client_->RegisterNamespace(Spec("bounds", Codec::kNone, shape)).ok());
   ASSERT_TRUE(PutChain(client_.get(), "bounds", shape, 0, 2).ok());
-  auto stub = kvcache::v1::KvCache::NewStub(
-      grpc::CreateChannel(Target(), grpc::InsecureChannelCredentials()));
   auto plane = ucx::ClientPlane::Create();
   ASSERT_TRUE(plane.ok()) << plane.status();
   const uint64_t block_bytes = kernels::Fp16BlockBytes(shape);
   for (int trial = 0; trial < 3; ++trial) {
-    kvcache::v1::BeginReadRequest request;
-    request.set_namespace_name("bounds");
-    request.add_keys(Key(0));
-    request.add_keys(Key(1));
-    request.set_format(kvcache::v1::READ_FORMAT_FP16);
-    kvcache::v1::BeginReadResponse response;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    grpc::Status rpc = stub->BeginRead(&ctx, request, &response);
-    ASSERT_TRUE(rpc.ok()) << rpc.error_message();
+    const kvcache::v1::BeginReadResponse response =
+        BeginPlaneRead("bounds", 0, 2, kvcache::v1::READ_FORMAT_FP16);
     ASSERT_TRUE(response.has_data_plane());
     ASSERT_TRUE(response.data_plane().bounded_reads());
     const ucx::NodeAddress address = AddressOf(response.data_plane());
