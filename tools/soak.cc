@@ -553,12 +553,18 @@ bool ParseTally(const std::string& log, Tally* t) {
   return found;
 }
 
-void PrintReport(const Tally& t, double seconds) {
-  const double mib = 1024.0 * 1024.0;
+// Operations in `t` (its "...unavailable_blocks" entries count blocks).
+uint64_t OpCount(const Tally& t) {
   uint64_t ops = 0;
   for (const auto& [k, v] : t.ops) {
     if (!absl::StrContains(k, "unavailable_blocks")) ops += v;
   }
+  return ops;
+}
+
+void PrintReport(const Tally& t, double seconds) {
+  const double mib = 1024.0 * 1024.0;
+  const uint64_t ops = OpCount(t);
   std::printf("operations: %llu in %.0f s (%.0f/s)\n",
               static_cast<unsigned long long>(ops), seconds, ops / seconds);
   for (const auto& [k, v] : t.ops) {
@@ -622,6 +628,53 @@ std::string SelfPath(const char* argv0) {
   return n > 0 ? std::string(buf, n) : std::string(argv0);
 }
 
+// Waits for every worker (bounded by `deadline`), prints a line for each,
+// and adds their tallies to *total; returns how many failed (did not exit
+// 0, or printed no tally).
+int CollectWorkers(std::vector<Child>* workers,
+                   const std::vector<std::string>& logs, absl::Time deadline,
+                   Tally* total) {
+  int failed = 0;
+  for (size_t k = 0; k < workers->size(); ++k) {
+    absl::StatusOr<int> rc = (*workers)[k].Wait(deadline);
+    Tally t;
+    const bool parsed = ParseTally(ReadFile(logs[k]), &t);
+    std::printf("worker %zu (%s): %s, %llu ops, %llu wrong, %llu unexpected\n",
+                k, kRoles[k % 4].name,
+                rc.ok() ? absl::StrCat("exit ", *rc).c_str()
+                        : rc.status().ToString().c_str(),
+                static_cast<unsigned long long>(OpCount(t)),
+                static_cast<unsigned long long>(t.wrong),
+                static_cast<unsigned long long>(t.unexpected));
+    if (!rc.ok() || *rc != 0 || !parsed) {
+      ++failed;
+      std::printf("  worker %zu failed; its log %s ends:\n%s\n", k,
+                  logs[k].c_str(), Tail(ReadFile(logs[k])).c_str());
+    }
+    total->Merge(t);
+  }
+  return failed;
+}
+
+// Stops the nodes this soak started; returns how many did not exit 0.
+int StopNodes(std::vector<NodeProcess>* nodes) {
+  // A node must drain and exit 0 (under a sanitizer, a finding at exit
+  // makes its status non-zero).
+  int nodes_failed = 0;
+  for (NodeProcess& n : *nodes) {
+    absl::StatusOr<int> rc = n.child.Stop(absl::Now() + absl::Seconds(30));
+    if (!rc.ok() || *rc != 0) {
+      ++nodes_failed;
+      std::printf("node %s did not exit 0 (%s); its log %s ends:\n%s\n",
+                  n.address.c_str(),
+                  rc.ok() ? absl::StrCat("exit ", *rc).c_str()
+                          : rc.status().ToString().c_str(),
+                  n.log_path.c_str(), Tail(ReadFile(n.log_path)).c_str());
+    }
+  }
+  return nodes_failed;
+}
+
 int ParentMain(const Args& a, const char* argv0) {
   const std::string self = SelfPath(argv0);
   const std::string dir = self.substr(0, self.rfind('/'));
@@ -666,48 +719,12 @@ int ParentMain(const Args& a, const char* argv0) {
     workers.push_back(*std::move(c));
   }
   Tally total;
-  int failed = 0;
-  const absl::Time deadline = start + absl::Seconds(a.duration_s + 120);
-  for (int k = 0; k < a.processes; ++k) {
-    absl::StatusOr<int> rc = workers[k].Wait(deadline);
-    Tally t;
-    const bool parsed = ParseTally(ReadFile(logs[k]), &t);
-    std::printf(
-        "worker %d (%s): %s, %llu ops, %llu wrong, %llu unexpected\n", k,
-        kRoles[k % 4].name,
-        rc.ok() ? absl::StrCat("exit ", *rc).c_str()
-                : rc.status().ToString().c_str(),
-        [&] {
-          uint64_t n = 0;
-          for (const auto& [op, v] : t.ops) n += v;
-          return static_cast<unsigned long long>(n);
-        }(),
-        static_cast<unsigned long long>(t.wrong),
-        static_cast<unsigned long long>(t.unexpected));
-    if (!rc.ok() || *rc != 0 || !parsed) {
-      ++failed;
-      std::printf("  worker %d failed; its log %s ends:\n%s\n", k,
-                  logs[k].c_str(), Tail(ReadFile(logs[k])).c_str());
-    }
-    total.Merge(t);
-  }
+  const int failed = CollectWorkers(
+      &workers, logs, start + absl::Seconds(a.duration_s + 120), &total);
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   PrintReport(total, seconds);
   const uint64_t data_loss = NodeDataLoss(addresses);
-  // A node must drain and exit 0 (under a sanitizer, a finding at exit
-  // makes its status non-zero).
-  int nodes_failed = 0;
-  for (NodeProcess& n : nodes) {
-    absl::StatusOr<int> rc = n.child.Stop(absl::Now() + absl::Seconds(30));
-    if (!rc.ok() || *rc != 0) {
-      ++nodes_failed;
-      std::printf("node %s did not exit 0 (%s); its log %s ends:\n%s\n",
-                  n.address.c_str(),
-                  rc.ok() ? absl::StrCat("exit ", *rc).c_str()
-                          : rc.status().ToString().c_str(),
-                  n.log_path.c_str(), Tail(ReadFile(n.log_path)).c_str());
-    }
-  }
+  const int nodes_failed = StopNodes(&nodes);
   const bool ok = failed == 0 && total.wrong == 0 && total.unexpected == 0 &&
                   data_loss == 0 && nodes_failed == 0;
   std::printf("kvcache-soak: %s\n", ok ? "PASSED" : "FAILED");

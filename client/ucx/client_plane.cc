@@ -376,8 +376,8 @@ void ClientPlane::OnEndpointError(void* arg, ucp_ep_h ep,
     // Seen when a node resumes after a pause: its teardown of the
     // connections force-closed meanwhile resets the TCP connection UCX
     // shares with the new endpoint.
-    why = absl::UnavailableError(absl::StrCat(
-        why.message(), " before its first transfer completed"));
+    why = absl::UnavailableError(
+        absl::StrCat(why.message(), " before its first transfer completed"));
     why.SetPayload(kFreshResetPayload, absl::Cord());
   }
   // Closing from inside a UCX callback is not allowed: defer it.
