@@ -1038,7 +1038,9 @@ TEST_P(UcxTest, BlocksStayPinnedUntilEveryDataMessageIsSent) {
   const uint64_t block_bytes = kernels::Fp16BlockBytes(shape);
   ASSERT_TRUE(
       client_->RegisterNamespace(Spec("held", Codec::kNone, shape)).ok());
-  ASSERT_TRUE(PutChain(grpc_client_.get(), "held", shape, 0, 2).ok());
+  absl::StatusOr<PutResult> put =
+      PutChain(grpc_client_.get(), "held", shape, 0, 2);
+  ASSERT_TRUE(put.ok()) << put.status();
   const kvcache::v1::BeginReadResponse response =
       BeginPlaneRead("held", 0, 2, kvcache::v1::READ_FORMAT_RAW);
   ASSERT_TRUE(response.has_data_plane());
