@@ -16,6 +16,7 @@ rounds=${ROUNDS:-50}
 codecs=${CODECS:-kivi2 kivi4 fp8_e4m3}
 transports=${TRANSPORTS:-tcp shm}
 formats=${FORMATS:-fp16 raw}
+read -r -a format_list <<<"$formats"
 tokens=${PROMPT_TOKENS:-16384}
 for bin in service/kvcache-node client/examples/kvcache-prefill_worker \
   client/examples/kvcache-decode_worker; do
@@ -40,7 +41,7 @@ for transport in $transports; do
   esac
   for codec in $codecs; do
     for round in $(seq 1 "$rounds"); do
-      format=$(echo $formats | tr ' ' '\n' | sed -n "$(( (round - 1) % $(echo $formats | wc -w) + 1 ))p")
+      format=${format_list[$(( (round - 1) % ${#format_list[@]} ))]}
       log=$work/node.log
       "$node_bin" --listen=127.0.0.1:0 --metrics-listen= \
         --memory=host:1GiB --data-plane=ucx --ucx-listen=127.0.0.1:0 \
