@@ -686,6 +686,15 @@ class FakeNode {
     on_read_ = std::move(on_read);
   }
   const std::string& address() const { return address_; }
+  // How a client plane reaches this fake node: by its worker address, with
+  // data messages accepted.
+  ucx::NodeAddress NodeAddress() const {
+    ucx::NodeAddress a;
+    a.listener = "127.0.0.1:1";  // unused: the worker address is set
+    a.worker = address_;
+    a.message_reads = true;
+    return a;
+  }
 
   // Sends one message; `header` and `data` must outlive it (data: static
   // or owned by the test).
@@ -760,10 +769,7 @@ TEST_P(UcxTest, DataMessagesLandOnlyInsideTheReadsRegion) {
   ASSERT_FALSE(fake.address().empty());
   auto plane = ucx::ClientPlane::Create();
   ASSERT_TRUE(plane.ok()) << plane.status();
-  ucx::NodeAddress address;
-  address.listener = "127.0.0.1:1";  // unused: the worker address is set
-  address.worker = fake.address();
-  address.message_reads = true;
+  const ucx::NodeAddress address = fake.NodeAddress();
   // Two blocks of 256 KiB in a region with 64 KiB of guard bytes after
   // them: a rendezvous-sized piece and a small (eager) one per block.
   constexpr size_t kBlock = 256 << 10;
@@ -1091,10 +1097,7 @@ TEST_P(UcxTest, ALayerIsReportedOnlyOnceTheMessagesBeforeItHaveLanded) {
   ASSERT_FALSE(fake.address().empty());
   auto plane = ucx::ClientPlane::Create();
   ASSERT_TRUE(plane.ok()) << plane.status();
-  ucx::NodeAddress address;
-  address.listener = "127.0.0.1:1";  // unused: the worker address is set
-  address.worker = fake.address();
-  address.message_reads = true;
+  const ucx::NodeAddress address = fake.NodeAddress();
   constexpr size_t kLayer = 256 << 10;
   static std::vector<uint8_t> payload(kLayer);
   for (size_t i = 0; i < payload.size(); ++i) payload[i] = i * 13 + 5;
@@ -1133,10 +1136,7 @@ TEST_P(UcxTest, AConnectionResetBeforeItsFirstTransferSaysSo) {
   ASSERT_FALSE(fake.address().empty());
   auto plane = ucx::ClientPlane::Create();
   ASSERT_TRUE(plane.ok()) << plane.status();
-  ucx::NodeAddress address;
-  address.listener = "127.0.0.1:1";  // unused: the worker address is set
-  address.worker = fake.address();
-  address.message_reads = true;
+  const ucx::NodeAddress address = fake.NodeAddress();
   static std::vector<uint8_t> payload(1024, 0x5A);
   const uint8_t* data = payload.data();
   std::atomic<bool> reset{true};
