@@ -53,6 +53,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "kernels/codec.h"
 #include "kernels/half.h"
 #include "kvcache/client.h"
 #include "service/node.h"

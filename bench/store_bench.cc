@@ -11,6 +11,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "benchmark/benchmark.h"
+#include "kernels/codec.h"
 #include "store/store.h"
 
 namespace kvcache::store {

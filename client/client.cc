@@ -17,9 +17,10 @@
 #include "absl/time/clock.h"
 #include "client/ucx/client_plane.h"
 #include "grpcpp/grpcpp.h"
+#include "kernels/codec.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "proto/convert.h"
-#include "service/ucx/tcp_segments.h"
+#include "transport/tcp_segments.h"
 
 namespace kvcache {
 namespace {
@@ -230,7 +231,7 @@ struct Client::Impl {
   std::unique_ptr<ucx::ClientPlane> plane;  // guarded by plane_mu; lazy
   absl::Status plane_error;                 // guarded by plane_mu; sticky
   // kAuto: the node's data plane cannot be used from here (its UCX TCP
-  // segment sizes would abort one of us, service/ucx/tcp_segments.h; or it
+  // segment sizes would abort one of us, transport/tcp_segments.h; or it
   // does not answer, ucx::kConnectTimeout); calls go inline without asking
   // for it until then, so that each does not first open a UCX session only
   // to drop it (or wait for a connection). Guarded by plane_mu.

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/executor.h"
 #include "client/rendezvous.h"
+#include "kernels/codec.h"
 
 namespace kvcache {
 namespace internal {
@@ -1559,15 +1560,7 @@ void FixPrefix(const std::shared_ptr<StreamState>& s, const StreamPrefix& p,
         break;
       }
       block.policy = *std::move(policy);
-      BlockShape one = s->shape;
-      one.num_layers = 1;
-      block.offsets.push_back(0);
-      for (uint32_t l = 0; l < s->num_layers; ++l) {
-        block.offsets.push_back(
-            block.offsets.back() +
-            kernels::EncodedBlockBytes(
-                one, kernels::LayerPolicy(s->shape, block.policy, l)));
-      }
+      block.offsets = kernels::EncodedLayerOffsets(s->shape, block.policy);
       if (block.offsets.back() != block.length) {
         error = absl::DataLossError(
             absl::StrCat("raw block ", b, " has ", block.length,

@@ -291,6 +291,8 @@ struct DeviceRead::Impl {
     for (uint32_t l = 0; l < L; ++l) {
       layer_policy.push_back(kernels::LayerPolicy(shape, policy, l));
     }
+    const std::vector<size_t> encoded_offsets =
+        kernels::EncodedLayerOffsets(shape, policy);
     const CodecPolicy fp16_policy;
     segments.resize(num_blocks * L);
     for (size_t b = 0; b < num_blocks; ++b) {
@@ -308,9 +310,9 @@ struct DeviceRead::Impl {
         const CodecPolicy& lp = residual ? fp16_policy : layer_policy[l];
         Segment& seg = segments[b * L + l];
         seg.src = src;
-        seg.len = format == ReadFormat::kFp16
+        seg.len = format == ReadFormat::kFp16 || residual
                       ? layer_fp16
-                      : kernels::EncodedBlockBytes(layer_shape, lp);
+                      : encoded_offsets[l + 1] - encoded_offsets[l];
         seg.decode =
             mode == DeviceReadMode::kDecodeHere && lp.codec != Codec::kNone;
         seg.out = fp16_out ? l * layer_fp16 : src;

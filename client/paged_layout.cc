@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/codec.h"
 
 namespace kvcache {
 namespace {

@@ -205,29 +205,6 @@ absl::Status DecodeWith(const BlockShape& shape, const CodecPolicy& policy,
 
 }  // namespace
 
-absl::string_view CodecName(Codec c) {
-  switch (c) {
-    case Codec::kNone:
-      return "none";
-    case Codec::kFp8E4M3:
-      return "fp8_e4m3";
-    case Codec::kFp8E5M2:
-      return "fp8_e5m2";
-    case Codec::kKivi2:
-      return "kivi2";
-    case Codec::kKivi4:
-      return "kivi4";
-  }
-  return "unknown";
-}
-
-std::optional<Codec> CodecFromName(absl::string_view name) {
-  for (Codec c : kAllCodecs) {
-    if (CodecName(c) == name) return c;
-  }
-  return std::nullopt;
-}
-
 absl::Status ValidatePolicy(const BlockShape& shape,
                             const CodecPolicy& policy) {
   const uint64_t L = shape.num_layers, H = shape.num_kv_heads,
@@ -343,6 +320,19 @@ CodecPolicy LayerPolicy(const BlockShape& shape, const CodecPolicy& policy,
   return out;
 }
 
+std::vector<size_t> EncodedLayerOffsets(const BlockShape& shape,
+                                        const CodecPolicy& policy) {
+  BlockShape one = shape;
+  one.num_layers = 1;
+  std::vector<size_t> offsets(1, 0);
+  offsets.reserve(shape.num_layers + 1);
+  for (uint32_t l = 0; l < shape.num_layers; ++l) {
+    offsets.push_back(offsets.back() +
+                      EncodedBlockBytes(one, LayerPolicy(shape, policy, l)));
+  }
+  return offsets;
+}
+
 absl::Status EncodeBlock(const BlockShape& shape, const CodecPolicy& policy,
                          absl::Span<const uint16_t> fp16_in,
                          absl::Span<uint8_t> encoded_out) {
@@ -376,3 +366,30 @@ absl::Status DecodeBlockReference(const BlockShape& shape,
 }
 
 }  // namespace kvcache::kernels
+
+namespace kvcache {
+
+absl::string_view CodecName(Codec c) {
+  switch (c) {
+    case Codec::kNone:
+      return "none";
+    case Codec::kFp8E4M3:
+      return "fp8_e4m3";
+    case Codec::kFp8E5M2:
+      return "fp8_e5m2";
+    case Codec::kKivi2:
+      return "kivi2";
+    case Codec::kKivi4:
+      return "kivi4";
+  }
+  return "unknown";
+}
+
+std::optional<Codec> CodecFromName(absl::string_view name) {
+  for (Codec c : kAllCodecs) {
+    if (CodecName(c) == name) return c;
+  }
+  return std::nullopt;
+}
+
+}  // namespace kvcache

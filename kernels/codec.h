@@ -40,49 +40,18 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "kvcache/codec.h"
 
 namespace kvcache::kernels {
 
-enum class Codec : uint8_t {
-  kNone = 0,
-  kFp8E4M3 = 1,
-  kFp8E5M2 = 2,
-  kKivi2 = 3,
-  kKivi4 = 4,
-};
-
-// "none", "fp8_e4m3", "fp8_e5m2", "kivi2", "kivi4"; "unknown" otherwise.
-absl::string_view CodecName(Codec c);
-std::optional<Codec> CodecFromName(absl::string_view name);
-
-inline constexpr Codec kAllCodecs[] = {Codec::kNone, Codec::kFp8E4M3,
-                                       Codec::kFp8E5M2, Codec::kKivi2,
-                                       Codec::kKivi4};
-
-struct BlockShape {
-  uint32_t num_layers = 0;
-  uint32_t num_kv_heads = 0;
-  uint32_t head_dim = 0;
-  uint32_t tokens_per_block = 0;
-};
-
-enum class ScaleMode : uint8_t {
-  kDynamic = 0,             // one fp32 scale per (block, layer, K|V, head)
-  kStaticPerLayer = 1,      // static_*_scales has num_layers entries
-  kStaticPerLayerHead = 2,  // num_layers*num_kv_heads entries, layer-major
-};
-
-struct CodecPolicy {
-  Codec codec = Codec::kNone;
-  // Layers kept at fp16 whatever the codec (vLLM kv_cache_dtype_skip_layers).
-  std::vector<uint32_t> fp16_layers;
-  ScaleMode scale_mode = ScaleMode::kDynamic;  // fp8 only
-  // fp8 static scales: [num_layers] or [num_layers*num_kv_heads]
-  // (layer-major), finite and > 0. Entries of fp16 layers are ignored.
-  std::vector<float> static_k_scales;
-  std::vector<float> static_v_scales;
-  uint32_t kivi_group_size = 32;  // kivi only
-};
+// The public codec types (kvcache/codec.h), under the names the kernels use.
+using ::kvcache::BlockShape;
+using ::kvcache::Codec;
+using ::kvcache::CodecFromName;
+using ::kvcache::CodecName;
+using ::kvcache::CodecPolicy;
+using ::kvcache::kAllCodecs;
+using ::kvcache::ScaleMode;
 
 // INVALID_ARGUMENT with a message naming the problem: zero or oversized
 // dimensions, an unknown codec, an fp16 layer out of range, static scales for
@@ -104,6 +73,14 @@ size_t EncodedBlockBytes(const BlockShape& shape, const CodecPolicy& policy);
 // policy must be valid for `shape`.
 CodecPolicy LayerPolicy(const BlockShape& shape, const CodecPolicy& policy,
                         uint32_t layer);
+
+// Where each layer's encoding starts in an encoded block, then the block's
+// size: num_layers + 1 offsets, offsets[0] == 0, layer l is the bytes
+// [offsets[l], offsets[l + 1]) (its encoding with LayerPolicy), and
+// offsets[num_layers] == EncodedBlockBytes(shape, policy). The policy must
+// be valid for `shape`. With codec none these are the fp16 layer bounds.
+std::vector<size_t> EncodedLayerOffsets(const BlockShape& shape,
+                                        const CodecPolicy& policy);
 
 // Fast path (SIMD on the CPU). INVALID_ARGUMENT for an invalid policy, spans
 // of the wrong size, or non-finite input: the message names layer, K|V,

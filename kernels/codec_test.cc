@@ -210,7 +210,8 @@ TEST(CodecSizeTest, ExactSizes) {
 }
 
 // A block's encoding is its layers' encodings back to back: each layer's
-// slice encodes and decodes alone with LayerPolicy, to the same bytes.
+// slice (at EncodedLayerOffsets) encodes and decodes alone with LayerPolicy,
+// to the same bytes.
 TEST(LayerPolicyTest, EachLayerEncodesAndDecodesAlone) {
   const BlockShape shape{4, 2, 32, 32};
   std::vector<CodecPolicy> policies(5);
@@ -236,11 +237,15 @@ TEST(LayerPolicyTest, EachLayerEncodesAndDecodesAlone) {
     BlockShape one = shape;
     one.num_layers = 1;
     const size_t layer_elems = 2 * SectionElems(shape);
+    const std::vector<size_t> offsets = EncodedLayerOffsets(shape, policy);
+    ASSERT_EQ(offsets.size(), shape.num_layers + 1u);
+    EXPECT_EQ(offsets.back(), EncodedBlockBytes(shape, policy));
     size_t offset = 0;
     for (uint32_t l = 0; l < shape.num_layers; ++l) {
       const CodecPolicy lp = LayerPolicy(shape, policy, l);
       ASSERT_TRUE(ValidatePolicy(one, lp).ok()) << "layer " << l;
       const size_t bytes = EncodedBlockBytes(one, lp);
+      EXPECT_EQ(offsets[l], offset) << CodecName(policy.codec) << " layer " << l;
       ASSERT_LE(offset + bytes, whole.bytes.size());
       std::vector<uint16_t> slice(in.begin() + l * layer_elems,
                                   in.begin() + (l + 1) * layer_elems);

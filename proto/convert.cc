@@ -4,29 +4,29 @@
 
 namespace kvcache::proto {
 
-v1::Codec CodecToProto(kernels::Codec codec) {
+v1::Codec CodecToProto(kvcache::Codec codec) {
   return static_cast<v1::Codec>(static_cast<int>(codec) + 1);
 }
 
-absl::StatusOr<kernels::Codec> CodecFromProto(v1::Codec codec) {
+absl::StatusOr<kvcache::Codec> CodecFromProto(v1::Codec codec) {
   switch (codec) {
     case v1::CODEC_NONE:
-      return kernels::Codec::kNone;
+      return kvcache::Codec::kNone;
     case v1::CODEC_FP8_E4M3:
-      return kernels::Codec::kFp8E4M3;
+      return kvcache::Codec::kFp8E4M3;
     case v1::CODEC_FP8_E5M2:
-      return kernels::Codec::kFp8E5M2;
+      return kvcache::Codec::kFp8E5M2;
     case v1::CODEC_KIVI2:
-      return kernels::Codec::kKivi2;
+      return kvcache::Codec::kKivi2;
     case v1::CODEC_KIVI4:
-      return kernels::Codec::kKivi4;
+      return kvcache::Codec::kKivi4;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("unknown codec ", static_cast<int>(codec)));
   }
 }
 
-void PolicyToProto(const kernels::CodecPolicy& policy, v1::CodecPolicy* out) {
+void PolicyToProto(const kvcache::CodecPolicy& policy, v1::CodecPolicy* out) {
   out->set_codec(CodecToProto(policy.codec));
   for (uint32_t layer : policy.fp16_layers) out->add_fp16_layers(layer);
   out->set_scale_mode(static_cast<v1::ScaleMode>(policy.scale_mode));
@@ -35,23 +35,23 @@ void PolicyToProto(const kernels::CodecPolicy& policy, v1::CodecPolicy* out) {
   out->set_kivi_group_size(policy.kivi_group_size);
 }
 
-absl::StatusOr<kernels::CodecPolicy> PolicyFromProto(const v1::CodecPolicy& p) {
-  kernels::CodecPolicy policy;
+absl::StatusOr<kvcache::CodecPolicy> PolicyFromProto(const v1::CodecPolicy& p) {
+  kvcache::CodecPolicy policy;
   if (p.codec() != v1::CODEC_UNSPECIFIED) {
-    absl::StatusOr<kernels::Codec> codec = CodecFromProto(p.codec());
+    absl::StatusOr<kvcache::Codec> codec = CodecFromProto(p.codec());
     if (!codec.ok()) return codec.status();
     policy.codec = *codec;
   }
   policy.fp16_layers.assign(p.fp16_layers().begin(), p.fp16_layers().end());
   switch (p.scale_mode()) {
     case v1::SCALE_MODE_DYNAMIC:
-      policy.scale_mode = kernels::ScaleMode::kDynamic;
+      policy.scale_mode = kvcache::ScaleMode::kDynamic;
       break;
     case v1::SCALE_MODE_STATIC_PER_LAYER:
-      policy.scale_mode = kernels::ScaleMode::kStaticPerLayer;
+      policy.scale_mode = kvcache::ScaleMode::kStaticPerLayer;
       break;
     case v1::SCALE_MODE_STATIC_PER_LAYER_HEAD:
-      policy.scale_mode = kernels::ScaleMode::kStaticPerLayerHead;
+      policy.scale_mode = kvcache::ScaleMode::kStaticPerLayerHead;
       break;
     default:
       return absl::InvalidArgumentError("unknown scale mode");
@@ -64,7 +64,7 @@ absl::StatusOr<kernels::CodecPolicy> PolicyFromProto(const v1::CodecPolicy& p) {
   return policy;
 }
 
-void ShapeToProto(const kernels::BlockShape& shape, v1::Layout* out) {
+void ShapeToProto(const kvcache::BlockShape& shape, v1::Layout* out) {
   out->set_num_layers(shape.num_layers);
   out->set_num_kv_heads(shape.num_kv_heads);
   out->set_head_dim(shape.head_dim);
@@ -73,7 +73,7 @@ void ShapeToProto(const kernels::BlockShape& shape, v1::Layout* out) {
   out->set_tensor_order(v1::TENSOR_ORDER_LAYER_KV_TOKEN_HEAD_DIM);
 }
 
-kernels::BlockShape ShapeFromProto(const v1::Layout& l) {
+kvcache::BlockShape ShapeFromProto(const v1::Layout& l) {
   return {l.num_layers(), l.num_kv_heads(), l.head_dim(), l.tokens_per_block()};
 }
 

@@ -61,7 +61,7 @@ void DescribeRead(const store::ReadResult& r, v1::BeginReadResponse* response) {
 }
 
 // How a client reaches `plane` for the session of `token`, and the TCP
-// segment sizes it checks before connecting (service/ucx/tcp_segments.h);
+// segment sizes it checks before connecting (transport/tcp_segments.h);
 // each kind of session adds what it offers.
 void DescribeDataPlane(const ucx::DataPlane& plane, const ucx::Token& token,
                        v1::DataPlaneInfo* info) {

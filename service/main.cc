@@ -7,11 +7,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "service/flags.h"
-#include "service/log.h"
+#include "base/log.h"
 #include "service/node.h"
 
 int main(int argc, char** argv) {
-  using kvcache::service::LogError;
+  using kvcache::LogError;
   std::vector<std::string> args(argv + 1, argv + argc);
   absl::StatusOr<kvcache::service::ParsedFlags> flags =
       kvcache::service::ParseNodeFlags(args);
@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
   }
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);
-  kvcache::service::LogInfo(
+  kvcache::LogInfo(
       absl::StrCat("received signal ", signal_number, ", draining"));
   node.Drain();
   return 0;

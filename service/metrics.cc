@@ -1,11 +1,11 @@
 #include "service/metrics.h"
 
 #include <exception>
-#include <mutex>
 #include <sstream>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/mutex.h"
 #include "prometheus/collectable.h"
 #include "prometheus/gauge.h"
 #include "prometheus/text_serializer.h"
@@ -177,14 +177,14 @@ class Metrics::StoreCollector : public prometheus::Collectable {
 class Metrics::DataPlaneCollector : public prometheus::Collectable {
  public:
   void SetSource(std::function<DataPlaneGauges()> source) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     source_ = std::move(source);
   }
 
   std::vector<MetricFamily> Collect() const override {
     std::function<DataPlaneGauges()> source;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       source = source_;
     }
     std::vector<MetricFamily> out;
@@ -237,8 +237,8 @@ class Metrics::DataPlaneCollector : public prometheus::Collectable {
   }
 
  private:
-  mutable std::mutex mu_;
-  std::function<DataPlaneGauges()> source_;
+  mutable Mutex mu_;
+  std::function<DataPlaneGauges()> source_ ABSL_GUARDED_BY(mu_);
 };
 
 void Metrics::SetDataPlaneSource(std::function<DataPlaneGauges()> source) {

@@ -3,11 +3,11 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/log.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "service/kvcache_service.h"
-#include "service/log.h"
 #include "service/metrics.h"
 #include "service/thread_pool.h"
 
@@ -147,7 +147,7 @@ void Node::ReaperLoop() {
 }
 
 void Node::Drain() {
-  absl::MutexLock lock(&drain_mu_);
+  MutexLock lock(&drain_mu_);
   if (drained_) return;
   drained_ = true;
   if (metrics_ != nullptr) metrics_->SetReady(false);

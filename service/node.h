@@ -17,10 +17,11 @@
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "base/mutex.h"
+#include "base/notification.h"
 #include "service/ucx/data_plane.h"
 #include "store/arena.h"
 #include "store/store.h"
@@ -85,10 +86,10 @@ class Node {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> health_server_;
   std::thread reaper_;
-  absl::Notification stop_reaper_;
-  absl::Mutex drain_mu_;
+  Notification stop_reaper_;
+  Mutex drain_mu_;  // serializes Drain()
   bool started_ = false;
-  bool drained_ = false;
+  bool drained_ ABSL_GUARDED_BY(drain_mu_) = false;
   int port_ = 0;
   int health_port_ = 0;
   int metrics_port_ = 0;

@@ -12,7 +12,7 @@ ThreadPool::ThreadPool(int threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    store::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
   work_or_stop_.SignalAll();
@@ -21,7 +21,7 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::Schedule(std::function<void()> work) {
   {
-    store::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     queue_.push_back(std::move(work));
   }
   work_or_stop_.Signal();
@@ -31,7 +31,7 @@ void ThreadPool::Run() {
   while (true) {
     std::function<void()> work;
     {
-      store::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       work_or_stop_.Wait(&mu_, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return stopping_ || !queue_.empty();
       });

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "store/mutex.h"
+#include "base/mutex.h"
 
 namespace kvcache::service {
 
@@ -26,9 +26,9 @@ class ThreadPool {
  private:
   void Run();
 
-  // store::Mutex, not absl::Mutex: ThreadSanitizer sees its handoffs.
-  store::Mutex mu_;
-  store::CondVar work_or_stop_;
+  // Mutex, not absl::Mutex: ThreadSanitizer sees its handoffs.
+  Mutex mu_;
+  CondVar work_or_stop_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;

@@ -61,7 +61,7 @@
 #include "kernels/codec.h"
 #include "store/arena.h"
 #include "store/block_header.h"
-#include "store/mutex.h"
+#include "base/mutex.h"
 #include "store/page_pool.h"
 
 namespace kvcache::store {

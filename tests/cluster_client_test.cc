@@ -17,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "client/rendezvous.h"
 #include "gtest/gtest.h"
+#include "kernels/codec.h"
 #include "kvcache/block_hash.h"
 #include "service/metrics.h"
 #include "service/node.h"

@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "gtest/gtest.h"
+#include "kernels/codec.h"
 
 namespace kvcache::service {
 namespace {

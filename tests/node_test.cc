@@ -11,6 +11,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "kernels/codec.h"
 #include "kvcache/client.h"
 #include "kvcache/testing/reflection_list.pb.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/codec.h"
 
 namespace kvcache {
 namespace {

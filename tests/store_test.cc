@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/codec.h"
 #include "store/block_header.h"
 #include "tests/test_util.h"
 

@@ -34,17 +34,18 @@
 #include "client/ucx/client_plane.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "kernels/codec.h"
 #include "kvcache/client.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "service/flags.h"
 #include "service/metrics.h"
 #include "service/node.h"
-#include "service/ucx/handles.h"
-#include "service/ucx/tcp_segments.h"
-#include "service/ucx/wire.h"
-#include "service/ucx/worker_loop.h"
 #include "tests/black_hole.h"
 #include "tests/test_util.h"
+#include "transport/handles.h"
+#include "transport/tcp_segments.h"
+#include "transport/wire.h"
+#include "transport/worker_loop.h"
 
 namespace kvcache {
 namespace {
@@ -1811,58 +1812,6 @@ TEST(TcpSegmentsTest, ReadsTheSizesAContextRunsWith) {
   auto segments = ucx::ReadTcpSegments(**context);
   ASSERT_TRUE(segments.ok()) << segments.status();
   EXPECT_FALSE(segments->in_use());
-}
-
-// The headers data messages add: a status with and without its message
-// count, and a data header, round-trip; any other length, or another
-// message's header, is refused.
-TEST(UcxWireTest, ReadStatusAndDataHeadersRoundTripAndRejectBadLengths) {
-  ucx::ReadStatusHeader status;
-  status.read_id = 7;
-  status.token = *ucx::NewToken();
-  status.layers_done = 3;
-  status.num_layers = 32;
-  const std::string plain = ucx::Encode(status);
-  status.has_data_messages = true;
-  status.data_messages = 96;
-  const std::string counted = ucx::Encode(status);
-  EXPECT_EQ(counted.size(), plain.size() + 4);
-  auto back = ucx::DecodeReadStatus(plain);
-  ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_FALSE(back->has_data_messages);
-  EXPECT_EQ(back->layers_done, 3u);
-  back = ucx::DecodeReadStatus(counted);
-  ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_TRUE(back->has_data_messages);
-  EXPECT_EQ(back->data_messages, 96u);
-  EXPECT_TRUE(ucx::TokenEquals(back->token, status.token));
-
-  ucx::ReadDataHeader data;
-  data.read_id = 9;
-  data.token = status.token;
-  data.block = 5;
-  data.offset = uint64_t{1} << 40;
-  const std::string encoded = ucx::Encode(data);
-  auto data_back = ucx::DecodeReadData(encoded);
-  ASSERT_TRUE(data_back.ok()) << data_back.status();
-  EXPECT_EQ(data_back->read_id, 9u);
-  EXPECT_EQ(data_back->block, 5u);
-  EXPECT_EQ(data_back->offset, uint64_t{1} << 40);
-
-  for (const std::string& bad :
-       {plain.substr(0, plain.size() - 1), counted + "x", std::string()}) {
-    EXPECT_EQ(ucx::DecodeReadStatus(bad).status().code(),
-              absl::StatusCode::kInvalidArgument);
-  }
-  EXPECT_EQ(ucx::DecodeReadData(encoded + "x").status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(ucx::DecodeReadData(counted).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  // Same length, another message's kind.
-  std::string relabelled = encoded;
-  relabelled[5] = static_cast<char>(ucx::kAmReadStatus & 0xff);
-  EXPECT_EQ(ucx::DecodeReadData(relabelled).status().code(),
-            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(UcxFlagsTest, ParsesAndChecksTheDataPlaneFlags) {

@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "kernels/codec.h"
 #include "kernels/half.h"
 #include "kernels/legal_states.h"
 #include "kvcache/client.h"

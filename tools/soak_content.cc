@@ -2,6 +2,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/codec.h"
 #include "kernels/half.h"
 
 namespace kvcache::soak {
@@ -60,7 +61,7 @@ absl::StatusOr<std::shared_ptr<const Verifier::States>> Verifier::Get(
     const SoakNamespace& ns, uint32_t chain, uint32_t block) {
   const std::string id = absl::StrCat(ns.index, "/", chain, "/", block);
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = cache_.find(id);
     if (it != cache_.end()) {
       order_.splice(order_.begin(), order_, it->second.second);
@@ -74,7 +75,7 @@ absl::StatusOr<std::shared_ptr<const Verifier::States>> Verifier::Get(
     if (!s.ok()) return s.status();
     states->push_back(*std::move(s));
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = cache_.find(id);
   if (it != cache_.end()) return it->second.first;  // another thread won
   order_.push_front(id);

@@ -19,8 +19,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "base/mutex.h"
 #include "kernels/codec.h"
 #include "kernels/legal_states.h"
 
@@ -78,7 +78,7 @@ class Verifier {
                                                     uint32_t chain,
                                                     uint32_t block);
   const size_t max_entries_;
-  absl::Mutex mu_;
+  Mutex mu_;
   std::list<std::string> order_ ABSL_GUARDED_BY(mu_);  // front: newest
   absl::flat_hash_map<std::string, std::pair<std::shared_ptr<const States>,
                                              std::list<std::string>::iterator>>

@@ -14,6 +14,7 @@
 #include <cstdio>
 
 #include "absl/time/clock.h"
+#include "kernels/codec.h"
 #include "kernels/legal_states.h"
 #include "worker_common.h"
 

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "kernels/codec.h"
 #include "worker_common.h"
 
 namespace kvcache::examples {

@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "kernels/codec.h"
 #include "kernels/half.h"
 #include "kvcache/block_hash.h"
 #include "kvcache/cluster_client.h"

@@ -16,7 +16,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "service/ucx/status.h"
+#include "transport/status.h"
 
 namespace kvcache::ucx {
 namespace {
@@ -66,12 +66,6 @@ struct SendState {
     return cv.wait_until(lock, Chrono(deadline), [&] { return pending == 0; });
   }
 };
-
-// Appends the low `bytes` bytes of v, little end first (the wire's order).
-void AppendLe(std::string* out, uint64_t v, int bytes) {
-  for (int i = 0; i < bytes; ++i)
-    out->push_back(static_cast<char>(v >> (8 * i)));
-}
 
 // Waits for sends until `deadline`, calling `check_connection` every
 // kConnectCheckInterval meanwhile; past it, calls `force_close` (which
@@ -504,24 +498,20 @@ absl::Status ClientPlane::PullBlocks(const NodeAddress& address,
   WritePullHeader h;
   h.write_id = write_id;
   h.token = token;
-  h.num_blocks = static_cast<uint32_t>(blocks.size());
-  h.rkey_length = static_cast<uint32_t>(rkey->size());
-  h.client_address_length = static_cast<uint32_t>(worker_address_.size());
   h.buffer_id = buffer_id;
   h.region_base = reinterpret_cast<uint64_t>(region.data());
   h.region_length = region.size();
-  const std::string header = Encode(h);
-  // Header, key, entries, this worker's address: kept by the operation.
-  std::string keep = header + *rkey;
-  for (const PullBlock& b : blocks) {
-    AppendLe(&keep, b.index, 4);
-    AppendLe(&keep, b.address, 8);
-  }
-  keep += worker_address_;
+  WritePullBody body;
+  body.remote_key = *rkey;
+  for (const PullBlock& b : blocks) body.blocks.push_back({b.index, b.address});
+  body.client_address = worker_address_;
+  // Kept by the operation until it completes.
+  Message message = EncodeWritePull(h, body);
   auto state = std::make_shared<SendState>();
   state->pending = 1;
-  bool posted = loop_->Post([this, address, state, header_size = header.size(),
-                             keep = std::move(keep)]() mutable {
+  bool posted = loop_->Post([this, address, state,
+                             header_size = message.header_bytes,
+                             keep = std::move(message.bytes)]() mutable {
     absl::StatusOr<Connection*> conn = GetConnection(address);
     if (!conn.ok()) {
       state->Complete(1, conn.status());
@@ -555,23 +545,18 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   ReadStartHeader h;
   h.read_id = read_id;
   h.token = token;
-  h.num_blocks = static_cast<uint32_t>(destinations.size());
-  h.rkey_length = static_cast<uint32_t>(rkey->size());
-  h.client_address_length = static_cast<uint32_t>(worker_address_.size());
   h.flags = (per_layer ? kReadFlagPerLayer : 0) |
             (address.bounded_reads ? kReadFlagBounded : 0) |
             (address.message_reads ? kReadFlagMessages : 0);
   h.buffer_id = buffer_id;
-  std::string header = Encode(h);
-  // Header, key, destinations, this worker's address: kept by the
-  // operation until it completes.
-  std::string keep = header + *rkey;
-  for (uint64_t d : destinations) AppendLe(&keep, d, 8);
-  keep += worker_address_;
-  if (address.bounded_reads) {
-    AppendLe(&keep, reinterpret_cast<uint64_t>(region->data()), 8);
-    AppendLe(&keep, region->size(), 8);
-  }
+  ReadStartBody body;
+  body.remote_key = *rkey;
+  body.destinations = destinations;
+  body.client_address = worker_address_;
+  body.region_base = reinterpret_cast<uint64_t>(region->data());
+  body.region_length = region->size();
+  // Kept by the operation until it completes.
+  Message message = EncodeReadStart(h, body);
   auto state = std::make_shared<ReadState>();
   state->destinations = destinations;
   state->region_base = reinterpret_cast<uint64_t>(region->data());
@@ -580,8 +565,8 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   std::string token_bytes = TokenBytes(token);
   state->token = token_bytes;
   bool posted = loop_->Post([this, address, token_bytes, state,
-                             header_size = header.size(),
-                             keep = std::move(keep)]() mutable {
+                             header_size = message.header_bytes,
+                             keep = std::move(message.bytes)]() mutable {
     absl::StatusOr<Connection*> conn = GetConnection(address);
     if (!conn.ok()) {
       state->Detach(conn.status());
@@ -679,10 +664,8 @@ ucs_status_t ClientPlane::OnReadData(
   // region this read registered.
   uint64_t at = 0;
   if (h->block >= state->destinations.size() ||
-      state->destinations[h->block] < state->region_base ||
       __builtin_add_overflow(state->destinations[h->block], h->offset, &at) ||
-      at - state->region_base > state->region_size ||
-      length > state->region_size - (at - state->region_base)) {
+      !RegionContains(state->region_base, state->region_size, at, length)) {
     self->EndRead(token, 0,
                   absl::InternalError(
                       absl::StrCat("the node sent ", length, " bytes of block ",

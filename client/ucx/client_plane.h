@@ -42,10 +42,10 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kvcache/call_options.h"
-#include "service/ucx/handles.h"
-#include "service/ucx/tcp_segments.h"
-#include "service/ucx/wire.h"
-#include "service/ucx/worker_loop.h"
+#include "transport/handles.h"
+#include "transport/tcp_segments.h"
+#include "transport/wire.h"
+#include "transport/worker_loop.h"
 
 namespace kvcache::ucx {
 

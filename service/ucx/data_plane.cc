@@ -11,8 +11,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "kernels/codec.h"
-#include "service/log.h"
-#include "service/ucx/status.h"
+#include "base/log.h"
+#include "transport/status.h"
 
 namespace kvcache::ucx {
 namespace {
@@ -28,23 +28,6 @@ absl::string_view HostOf(absl::string_view host_port) {
   size_t colon = host_port.rfind(':');
   return colon == absl::string_view::npos ? host_port
                                           : host_port.substr(0, colon);
-}
-
-uint64_t LoadLe64(const char* p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) {
-    v |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
-  }
-  return v;
-}
-
-// The encoded bytes of layer `layer` alone.
-uint64_t EncodedLayerBytes(const kernels::BlockShape& shape,
-                           const kernels::CodecPolicy& policy, uint32_t layer) {
-  kernels::BlockShape one = shape;
-  one.num_layers = 1;
-  return kernels::EncodedBlockBytes(one,
-                                    kernels::LayerPolicy(shape, policy, layer));
 }
 
 }  // namespace
@@ -282,12 +265,14 @@ std::vector<std::vector<uint64_t>> DataPlane::LayerEnds(
       policy = kernels::CodecPolicy{};  // stored fp16 (KIVI's residual)
     }
     std::vector<uint64_t> ends;
-    uint64_t end = 0;
-    for (uint32_t l = 0; l < shape.num_layers; ++l) {
-      end += format == store::ReadFormat::kFp16
-                 ? result.ns.fp16_block_bytes / shape.num_layers
-                 : EncodedLayerBytes(shape, policy, l);
-      ends.push_back(end);
+    if (format == store::ReadFormat::kFp16) {
+      for (uint32_t l = 1; l <= shape.num_layers; ++l) {
+        ends.push_back(result.ns.fp16_block_bytes / shape.num_layers * l);
+      }
+    } else {
+      const std::vector<size_t> offsets =
+          kernels::EncodedLayerOffsets(shape, policy);
+      ends.assign(offsets.begin() + 1, offsets.end());
     }
     if (ends.empty() || ends.back() != block.size()) {
       ends = {block.size()};  // layers not separable: one slice
@@ -724,19 +709,16 @@ void DataPlane::HandleWritePull(Connection* conn, absl::string_view header,
     }
     if (work) work();
   };
-  const uint64_t blocks = h->num_blocks;
-  const uint64_t entries_at = h->rkey_length;
-  const uint64_t worker_at = entries_at + kWritePullEntryBytes * blocks;
-  if (blocks == 0 || blocks > session->slots.size() ||
-      data.size() != worker_at + h->client_address_length) {
-    fail(absl::InvalidArgumentError(
-        absl::StrCat("write pull names ", blocks, " blocks with ", data.size(),
-                     " bytes of keys and addresses")));
+  absl::StatusOr<WritePullBody> body = DecodeWritePullBody(*h, data);
+  if (!body.ok()) {
+    fail(body.status());
     return;
   }
-  const uint64_t base = h->region_base, length = h->region_length;
-  if (length > UINT64_MAX - base) {
-    fail(absl::InvalidArgumentError("write region wraps the address space"));
+  const size_t blocks = body->blocks.size();
+  if (blocks == 0 || blocks > session->slots.size()) {
+    fail(absl::InvalidArgumentError(
+        absl::StrCat("write pull names ", blocks, " blocks; the write has ",
+                     session->slots.size())));
     return;
   }
   struct Pull {
@@ -745,15 +727,14 @@ void DataPlane::HandleWritePull(Connection* conn, absl::string_view header,
     const uint8_t* source;
   };
   std::vector<Pull> pulls(blocks);
+  const uint64_t base = h->region_base, length = h->region_length;
   const uint64_t size = session->block_bytes;
   for (size_t i = 0; i < blocks; ++i) {
-    const char* entry = data.data() + entries_at + kWritePullEntryBytes * i;
-    pulls[i].index = static_cast<uint32_t>(LoadLe64(entry) & 0xFFFFFFFFu);
-    pulls[i].address = LoadLe64(entry + 4);
+    pulls[i].index = body->blocks[i].index;
+    pulls[i].address = body->blocks[i].address;
     // A block outside the region would be read from outside the node's
-    // mapping of the client's segment (see ReadStart's bounds).
-    if (pulls[i].address < base || pulls[i].address - base > length ||
-        size > length - (pulls[i].address - base)) {
+    // mapping of the client's segment.
+    if (!RegionContains(base, length, pulls[i].address, size)) {
       fail(absl::InvalidArgumentError(absl::StrCat(
           "block ", pulls[i].index, " (", size, " bytes at 0x",
           absl::Hex(pulls[i].address), ") lies outside the registered region (",
@@ -761,14 +742,13 @@ void DataPlane::HandleWritePull(Connection* conn, absl::string_view header,
       return;
     }
   }
-  if (absl::Status st = EnsureClientEndpoint(
-          conn, data.substr(worker_at, h->client_address_length));
+  if (absl::Status st = EnsureClientEndpoint(conn, body->client_address);
       !st.ok()) {
     fail(st);
     return;
   }
   absl::StatusOr<std::shared_ptr<RemoteKey>> rkey =
-      ClientKey(conn, h->buffer_id, data.substr(0, h->rkey_length));
+      ClientKey(conn, h->buffer_id, body->remote_key);
   if (!rkey.ok()) {
     fail(rkey.status());
     return;
@@ -917,55 +897,44 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
                             "read request with unknown flags ", h->flags)));
     return;
   }
-  const bool bounded = (h->flags & kReadFlagBounded) != 0;
-  const uint64_t addresses_at = h->rkey_length;
-  const uint64_t worker_at = addresses_at + 8 * uint64_t{blocks};
-  const uint64_t bounds_at = worker_at + h->client_address_length;
-  if (h->num_blocks != blocks ||
-      data.size() != bounds_at + (bounded ? kReadBoundsBytes : 0)) {
-    FinishRead(
-        session,
-        absl::InvalidArgumentError(absl::StrCat(
-            "read request names ", h->num_blocks, " blocks with ", data.size(),
-            " bytes of keys and addresses; the read has ", blocks, " blocks")));
+  absl::StatusOr<ReadStartBody> body = DecodeReadStartBody(*h, data);
+  if (!body.ok()) {
+    FinishRead(session, body.status());
     return;
   }
-  std::vector<uint64_t> remote(blocks);
-  for (size_t i = 0; i < blocks; ++i) {
-    remote[i] = LoadLe64(data.data() + addresses_at + 8 * i);
+  if (body->destinations.size() != blocks) {
+    FinishRead(session, absl::InvalidArgumentError(absl::StrCat(
+                            "read request names ", body->destinations.size(),
+                            " blocks; the read has ", blocks)));
+    return;
   }
-  if (bounded) {
+  std::vector<uint64_t> remote = std::move(body->destinations);
+  if ((h->flags & kReadFlagBounded) != 0) {
     // Over shared memory a put is a memcpy into the node's mapping of the
     // client's segment, which UCX does not bound: a destination outside the
     // region would be written outside that mapping.
-    const uint64_t base = LoadLe64(data.data() + bounds_at);
-    const uint64_t length = LoadLe64(data.data() + bounds_at + 8);
-    if (length > UINT64_MAX - base) {
-      FinishRead(session, absl::InvalidArgumentError(
-                              "read region wraps the address space"));
-      return;
-    }
     for (size_t i = 0; i < blocks; ++i) {
       const uint64_t size = session->result.blocks[i].size();
-      if (remote[i] < base || remote[i] - base > length ||
-          size > length - (remote[i] - base)) {
-        FinishRead(session, absl::InvalidArgumentError(absl::StrCat(
-                                "read destination of block ", i, " (", size,
-                                " bytes at 0x", absl::Hex(remote[i]),
-                                ") lies outside the registered region (",
-                                length, " bytes at 0x", absl::Hex(base), ")")));
+      if (!RegionContains(body->region_base, body->region_length, remote[i],
+                          size)) {
+        FinishRead(session,
+                   absl::InvalidArgumentError(absl::StrCat(
+                       "read destination of block ", i, " (", size,
+                       " bytes at 0x", absl::Hex(remote[i]),
+                       ") lies outside the registered region (",
+                       body->region_length, " bytes at 0x",
+                       absl::Hex(body->region_base), ")")));
         return;
       }
     }
   }
-  if (absl::Status st = EnsureClientEndpoint(
-          conn, data.substr(worker_at, h->client_address_length));
+  if (absl::Status st = EnsureClientEndpoint(conn, body->client_address);
       !st.ok()) {
     FinishRead(session, st);
     return;
   }
   absl::StatusOr<std::shared_ptr<RemoteKey>> rkey =
-      ClientKey(conn, h->buffer_id, data.substr(0, h->rkey_length));
+      ClientKey(conn, h->buffer_id, body->remote_key);
   if (!rkey.ok()) {
     FinishRead(session, rkey.status());
     return;
@@ -1248,7 +1217,7 @@ void DataPlane::CloseConnection(uint64_t conn_id, const char* why) {
     if (it == connections_.end()) return;
     if (!it->second->authenticated) {
       rejected_connections_.fetch_add(1);
-      service::LogInfo(absl::StrCat("closed a UCX data-plane connection",
+      LogInfo(absl::StrCat("closed a UCX data-plane connection",
                                     it->second->peer.empty() ? "" : " from ",
                                     it->second->peer, ": ", why));
     }

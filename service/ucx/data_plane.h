@@ -3,7 +3,7 @@
 // travel here; the gRPC control plane (service/kvcache_service.cc) opens and
 // closes the sessions that allow them to.
 //
-// Protocol (service/ucx/wire.h has the message formats):
+// Protocol (transport/wire.h has the message formats):
 //  * Write: BeginWrite (gRPC) reserves store pages and, through OpenWrite,
 //    staging for every block not present, and returns the listener address
 //    and a fresh token. The client sends each block as one active message
@@ -74,11 +74,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "service/ucx/handles.h"
+#include "transport/handles.h"
 #include "service/ucx/staging.h"
-#include "service/ucx/tcp_segments.h"
-#include "service/ucx/wire.h"
-#include "service/ucx/worker_loop.h"
+#include "transport/tcp_segments.h"
+#include "transport/wire.h"
+#include "transport/worker_loop.h"
 #include "store/store.h"
 
 namespace kvcache::ucx {
@@ -151,7 +151,7 @@ class DataPlane {
   int port() const { return port_; }
   // The UCX TCP segment sizes of this node (DataPlaneInfo.tcp_*_seg_bytes;
   // zero without TCP): clients whose sizes would abort one side stay off
-  // UCX with this node (service/ucx/tcp_segments.h).
+  // UCX with this node (transport/tcp_segments.h).
   const TcpSegments& tcp_segments() const { return tcp_segments_; }
 
   // After Store::BeginWrite succeeded: a session for `begin.write_id`, with

@@ -33,7 +33,7 @@ StagingReservation StagingReservation::Split(uint64_t bytes) {
 absl::StatusOr<StagingReservation> StagingBudget::TryReserve(uint64_t bytes) {
   std::vector<StagingMemory> evicted;  // freed after unlocking
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (bytes > capacity_ - used_) {
       return absl::ResourceExhaustedError(
           absl::StrCat("data-plane staging is full: ", bytes, " bytes asked, ",
@@ -53,23 +53,23 @@ absl::StatusOr<StagingReservation> StagingBudget::TryReserve(uint64_t bytes) {
 }
 
 uint64_t StagingBudget::used() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return used_;
 }
 
 uint64_t StagingBudget::cached() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return cached_;
 }
 
 void StagingBudget::Release(uint64_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   used_ -= bytes;
 }
 
 absl::StatusOr<StagingMemory> StagingBudget::TakeMemory(uint64_t bytes) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = cache_.find(bytes);
     if (it != cache_.end() && !it->second.empty()) {
       StagingMemory memory = std::move(it->second.back());
@@ -87,7 +87,7 @@ absl::StatusOr<StagingMemory> StagingBudget::TakeMemory(uint64_t bytes) {
 }
 
 void StagingBudget::ReturnMemory(StagingMemory memory, uint64_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   // The caller's reservation (in used_) is released right after: the bytes
   // move from used to cached and the sum stays within capacity.
   cache_[bytes].push_back(std::move(memory));

@@ -19,11 +19,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "base/mutex.h"
 
 namespace kvcache::ucx {
 
@@ -82,11 +82,12 @@ class StagingBudget : public std::enable_shared_from_this<StagingBudget> {
   void Release(uint64_t bytes);
 
   const uint64_t capacity_;
-  mutable std::mutex mu_;
-  uint64_t used_ = 0;    // guarded by mu_
-  uint64_t cached_ = 0;  // guarded by mu_
-  // Given-back buffers by size; guarded by mu_.
-  absl::flat_hash_map<uint64_t, std::vector<StagingMemory>> cache_;
+  mutable Mutex mu_;
+  uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t cached_ ABSL_GUARDED_BY(mu_) = 0;
+  // Given-back buffers by size.
+  absl::flat_hash_map<uint64_t, std::vector<StagingMemory>> cache_
+      ABSL_GUARDED_BY(mu_);
 };
 
 // One block's worth of staging memory (page aligned, uninitialized).

@@ -40,15 +40,10 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "kernels/codec.h"
 #include "kvcache/call_options.h"
+#include "kvcache/codec.h"
 
 namespace kvcache {
-
-using kernels::BlockShape;
-using kernels::Codec;
-using kernels::CodecPolicy;
-using kernels::ScaleMode;
 
 // Where KV bytes travel. The control plane is gRPC either way.
 enum class DataPlane {

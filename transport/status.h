@@ -3,8 +3,8 @@
 // Every UCX call in service/ucx/ and client/ucx/ reports failure through
 // UcxStatus(); nothing else inspects ucs_status_t codes to pick an
 // absl::StatusCode.
-#ifndef KVCACHE_SERVICE_UCX_STATUS_H_
-#define KVCACHE_SERVICE_UCX_STATUS_H_
+#ifndef KVCACHE_TRANSPORT_STATUS_H_
+#define KVCACHE_TRANSPORT_STATUS_H_
 
 #include <ucs/type/status.h>
 
@@ -22,4 +22,4 @@ absl::Status UcxStatus(ucs_status_t status, absl::string_view what);
 
 }  // namespace kvcache::ucx
 
-#endif  // KVCACHE_SERVICE_UCX_STATUS_H_
+#endif  // KVCACHE_TRANSPORT_STATUS_H_

@@ -15,20 +15,21 @@
 //    destroy every worker-bound object it owns), progresses for at most
 //    `grace` so that closes complete, joins the thread; then the worker and
 //    the context are destroyed, in that order.
-#ifndef KVCACHE_SERVICE_UCX_WORKER_LOOP_H_
-#define KVCACHE_SERVICE_UCX_WORKER_LOOP_H_
+#ifndef KVCACHE_TRANSPORT_WORKER_LOOP_H_
+#define KVCACHE_TRANSPORT_WORKER_LOOP_H_
 
 #include <atomic>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "service/ucx/handles.h"
+#include "base/mutex.h"
+#include "transport/handles.h"
 
 namespace kvcache::ucx {
 
@@ -77,17 +78,17 @@ class WorkerLoop {
   std::thread thread_;
   int busy_ = 0;  // loop thread only
 
-  std::mutex mu_;
-  std::vector<Task> tasks_;         // guarded by mu_
+  Mutex mu_;
+  std::vector<Task> tasks_ ABSL_GUARDED_BY(mu_);
   std::atomic<size_t> pending_{0};  // tasks_.size(), read without mu_
-  Task shutdown_;                   // guarded by mu_
-  bool stopping_ = false;           // guarded by mu_
+  Task shutdown_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> stop_requested_{false};
   absl::Duration grace_;  // written before stop_requested_ is set
-  std::mutex stop_mu_;    // serializes Stop()
-  bool stopped_ = false;  // guarded by stop_mu_
+  Mutex stop_mu_;         // serializes Stop()
+  bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
 };
 
 }  // namespace kvcache::ucx
 
-#endif  // KVCACHE_SERVICE_UCX_WORKER_LOOP_H_
+#endif  // KVCACHE_TRANSPORT_WORKER_LOOP_H_

@@ -16,8 +16,8 @@
 //  * No C++ exception crosses a UCX callback: every function UCX calls back
 //    is declared noexcept, so a throw inside one terminates the process at
 //    that frame instead of unwinding through C code.
-#ifndef KVCACHE_SERVICE_UCX_HANDLES_H_
-#define KVCACHE_SERVICE_UCX_HANDLES_H_
+#ifndef KVCACHE_TRANSPORT_HANDLES_H_
+#define KVCACHE_TRANSPORT_HANDLES_H_
 
 #include <ucp/api/ucp.h>
 
@@ -248,4 +248,4 @@ void SendEagerAm(ucp_ep_h ep, unsigned am_id, std::string message,
 
 }  // namespace kvcache::ucx
 
-#endif  // KVCACHE_SERVICE_UCX_HANDLES_H_
+#endif  // KVCACHE_TRANSPORT_HANDLES_H_

@@ -15,15 +15,15 @@
 // gRPC data path (or fails with UNAVAILABLE, when it requires UCX) where a
 // peer would abort. This protects our nodes and clients from each other's
 // configuration; it does not protect a node from a client that lies.
-#ifndef KVCACHE_SERVICE_UCX_TCP_SEGMENTS_H_
-#define KVCACHE_SERVICE_UCX_TCP_SEGMENTS_H_
+#ifndef KVCACHE_TRANSPORT_TCP_SEGMENTS_H_
+#define KVCACHE_TRANSPORT_TCP_SEGMENTS_H_
 
 #include <cstdint>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "service/ucx/handles.h"
+#include "transport/handles.h"
 
 namespace kvcache::ucx {
 
@@ -61,4 +61,4 @@ bool IsTcpSegmentsMismatch(const absl::Status& status);
 
 }  // namespace kvcache::ucx
 
-#endif  // KVCACHE_SERVICE_UCX_TCP_SEGMENTS_H_
+#endif  // KVCACHE_TRANSPORT_TCP_SEGMENTS_H_

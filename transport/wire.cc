@@ -1,4 +1,4 @@
-#include "service/ucx/wire.h"
+#include "transport/wire.h"
 
 #include <sys/random.h>
 
@@ -14,6 +14,9 @@ namespace {
 // the caller (the decoders check the total size first).
 class Writer {
  public:
+  // A message body: no prefix.
+  Writer() = default;
+  // A header: the prefix (magic, version, kind) first.
   explicit Writer(unsigned kind) {
     U32(kWireMagic);
     U8(kWireVersion);
@@ -27,6 +30,7 @@ class Writer {
   void Bytes(const Token& t) {
     out_.append(reinterpret_cast<const char*>(t.data()), t.size());
   }
+  void Bytes(absl::string_view bytes) { out_.append(bytes.data(), bytes.size()); }
   std::string Take() { return std::move(out_); }
 
  private:
@@ -46,6 +50,11 @@ class Reader {
   void Bytes(Token* t) {
     std::memcpy(t->data(), in_.data() + pos_, t->size());
     pos_ += t->size();
+  }
+  absl::string_view View(size_t n) {
+    absl::string_view v = in_.substr(pos_, n);
+    pos_ += n;
+    return v;
   }
 
  private:
@@ -69,6 +78,11 @@ constexpr size_t kWritePullBytes =
 constexpr size_t kReadStatusBytes = kPrefixBytes + 8 + 16 + 4 + 4 + 4;
 constexpr size_t kReadStatusCountedBytes = kReadStatusBytes + 4;
 constexpr size_t kReadDataBytes = kPrefixBytes + 8 + 16 + 4 + 8;
+// Body parts: a kAmWritePull entry (index u32, address u64), a kAmReadStart
+// destination (u64) and the region's bounds (base, length: u64 each).
+constexpr uint64_t kWritePullEntryBytes = 4 + 8;
+constexpr uint64_t kDestinationBytes = 8;
+constexpr uint64_t kReadBoundsBytes = 8 + 8;
 
 absl::Status CheckPrefix(absl::string_view bytes, size_t want, unsigned kind,
                          Reader* r) {
@@ -280,6 +294,108 @@ absl::StatusOr<ReadDataHeader> DecodeReadData(absl::string_view bytes) {
   h.block = r.U32();
   h.offset = r.U64();
   return h;
+}
+
+bool RegionContains(uint64_t base, uint64_t length, uint64_t address,
+                    uint64_t size) {
+  return address >= base && address - base <= length &&
+         size <= length - (address - base);
+}
+
+Message EncodeReadStart(ReadStartHeader header, const ReadStartBody& body) {
+  const bool bounded = (header.flags & kReadFlagBounded) != 0;
+  header.num_blocks = static_cast<uint32_t>(body.destinations.size());
+  header.rkey_length = static_cast<uint32_t>(body.remote_key.size());
+  header.client_address_length =
+      static_cast<uint32_t>(body.client_address.size());
+  Message m;
+  m.bytes = Encode(header);
+  m.header_bytes = m.bytes.size();
+  Writer w;
+  w.Bytes(body.remote_key);
+  for (uint64_t d : body.destinations) w.U64(d);
+  w.Bytes(body.client_address);
+  if (bounded) {
+    w.U64(body.region_base);
+    w.U64(body.region_length);
+  }
+  m.bytes += w.Take();
+  return m;
+}
+
+absl::StatusOr<ReadStartBody> DecodeReadStartBody(const ReadStartHeader& h,
+                                                  absl::string_view data) {
+  const bool bounded = (h.flags & kReadFlagBounded) != 0;
+  const uint64_t want = uint64_t{h.rkey_length} +
+                        kDestinationBytes * h.num_blocks +
+                        h.client_address_length +
+                        (bounded ? kReadBoundsBytes : 0);
+  if (data.size() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "read request names ", h.num_blocks, " blocks and keys of ",
+        h.rkey_length, " + ", h.client_address_length, " bytes",
+        bounded ? " with bounds" : "", " in ", data.size(),
+        " bytes; expected ", want));
+  }
+  Reader r(data);
+  ReadStartBody body;
+  body.remote_key = r.View(h.rkey_length);
+  body.destinations.resize(h.num_blocks);
+  for (uint64_t& d : body.destinations) d = r.U64();
+  body.client_address = r.View(h.client_address_length);
+  if (bounded) {
+    body.region_base = r.U64();
+    body.region_length = r.U64();
+    if (body.region_length > UINT64_MAX - body.region_base) {
+      return absl::InvalidArgumentError("read region wraps the address space");
+    }
+  }
+  return body;
+}
+
+Message EncodeWritePull(WritePullHeader header, const WritePullBody& body) {
+  header.num_blocks = static_cast<uint32_t>(body.blocks.size());
+  header.rkey_length = static_cast<uint32_t>(body.remote_key.size());
+  header.client_address_length =
+      static_cast<uint32_t>(body.client_address.size());
+  Message m;
+  m.bytes = Encode(header);
+  m.header_bytes = m.bytes.size();
+  Writer w;
+  w.Bytes(body.remote_key);
+  for (const WritePullEntry& e : body.blocks) {
+    w.U32(e.index);
+    w.U64(e.address);
+  }
+  w.Bytes(body.client_address);
+  m.bytes += w.Take();
+  return m;
+}
+
+absl::StatusOr<WritePullBody> DecodeWritePullBody(const WritePullHeader& h,
+                                                  absl::string_view data) {
+  const uint64_t want = uint64_t{h.rkey_length} +
+                        kWritePullEntryBytes * h.num_blocks +
+                        h.client_address_length;
+  if (data.size() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "write pull names ", h.num_blocks, " blocks and keys of ",
+        h.rkey_length, " + ", h.client_address_length, " bytes in ",
+        data.size(), " bytes; expected ", want));
+  }
+  if (h.region_length > UINT64_MAX - h.region_base) {
+    return absl::InvalidArgumentError("write region wraps the address space");
+  }
+  Reader r(data);
+  WritePullBody body;
+  body.remote_key = r.View(h.rkey_length);
+  body.blocks.resize(h.num_blocks);
+  for (WritePullEntry& e : body.blocks) {
+    e.index = r.U32();
+    e.address = r.U64();
+  }
+  body.client_address = r.View(h.client_address_length);
+  return body;
 }
 
 }  // namespace kvcache::ucx

@@ -1,4 +1,4 @@
-#include "service/ucx/handles.h"
+#include "transport/handles.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -14,7 +14,7 @@
 #include "absl/memory/memory.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "service/ucx/status.h"
+#include "transport/status.h"
 
 namespace kvcache::ucx {
 namespace {

@@ -1,4 +1,4 @@
-#include "service/ucx/worker_loop.h"
+#include "transport/worker_loop.h"
 
 #include <sched.h>
 #include <sys/epoll.h>
@@ -12,7 +12,7 @@
 #include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "service/ucx/status.h"
+#include "transport/status.h"
 
 namespace kvcache::ucx {
 namespace {
@@ -78,7 +78,7 @@ WorkerLoop::~WorkerLoop() {
 
 bool WorkerLoop::Post(Task task) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (stopping_) return false;
     tasks_.push_back(std::move(task));
     pending_.store(tasks_.size(), std::memory_order_release);
@@ -94,11 +94,11 @@ void WorkerLoop::Wake() {
 }
 
 void WorkerLoop::Stop(Task shutdown, absl::Duration grace) {
-  std::lock_guard<std::mutex> stop_lock(stop_mu_);
+  MutexLock stop_lock(&stop_mu_);
   if (stopped_) return;
   stopped_ = true;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
     shutdown_ = std::move(shutdown);
   }
@@ -112,7 +112,7 @@ bool WorkerLoop::RunTasks() {
   if (pending_.load(std::memory_order_acquire) == 0) return false;
   std::vector<Task> batch;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     batch.swap(tasks_);
     pending_.store(0, std::memory_order_relaxed);
   }
@@ -157,7 +157,7 @@ void WorkerLoop::Run() {
   RunTasks();
   Task shutdown;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     shutdown = std::move(shutdown_);
   }
   if (shutdown) shutdown();

@@ -65,13 +65,14 @@
 //    in constant time.
 //  * Every header is fixed-size, little-endian, and parsed with its length
 //    checked: a short, long or unknown header is rejected, never read past.
-#ifndef KVCACHE_SERVICE_UCX_WIRE_H_
-#define KVCACHE_SERVICE_UCX_WIRE_H_
+#ifndef KVCACHE_TRANSPORT_WIRE_H_
+#define KVCACHE_TRANSPORT_WIRE_H_
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -121,8 +122,6 @@ struct WritePullHeader {
   uint64_t region_base = 0;
   uint64_t region_length = 0;
 };
-// Bytes per block after the key in a kAmWritePull message.
-inline constexpr size_t kWritePullEntryBytes = 12;
 
 struct ReadStartHeader {
   uint64_t read_id = 0;
@@ -145,8 +144,6 @@ struct ReadStartHeader {
 inline constexpr uint8_t kReadFlagPerLayer = 1;
 inline constexpr uint8_t kReadFlagBounded = 2;
 inline constexpr uint8_t kReadFlagMessages = 4;
-// Bytes of the region's bounds after the worker address.
-inline constexpr size_t kReadBoundsBytes = 16;
 
 struct ReleaseBufferHeader {
   uint64_t buffer_id = 0;
@@ -188,6 +185,60 @@ absl::StatusOr<ReleaseBufferHeader> DecodeReleaseBuffer(
     absl::string_view bytes);
 absl::StatusOr<ReadDataHeader> DecodeReadData(absl::string_view bytes);
 
+// ---- Message bodies: what follows the header of kAmReadStart and
+// kAmWritePull. Every integer is little-endian.
+
+// kAmReadStart: the packed remote key of the destination region, one u64
+// destination address per block, the client's worker address, then (with
+// kReadFlagBounded in the header's flags) the region's base and length.
+struct ReadStartBody {
+  absl::string_view remote_key;
+  std::vector<uint64_t> destinations;
+  absl::string_view client_address;
+  uint64_t region_base = 0;  // kReadFlagBounded only
+  uint64_t region_length = 0;
+};
+
+// kAmWritePull: the packed remote key of the client's buffer, per block its
+// index (u32) and address (u64), then the client's worker address. The
+// buffer's bounds are in the header.
+struct WritePullEntry {
+  uint32_t index = 0;
+  uint64_t address = 0;
+};
+struct WritePullBody {
+  absl::string_view remote_key;
+  std::vector<WritePullEntry> blocks;
+  absl::string_view client_address;
+};
+
+// A whole message: the header's bytes, then the body's.
+struct Message {
+  std::string bytes;
+  size_t header_bytes = 0;
+};
+// The header's counts and lengths (num_blocks, rkey_length,
+// client_address_length) are taken from `body`; its flags decide whether
+// the bounds are sent.
+Message EncodeReadStart(ReadStartHeader header, const ReadStartBody& body);
+Message EncodeWritePull(WritePullHeader header, const WritePullBody& body);
+
+// The body that follows `header`, as views into `data` (which must outlive
+// them). INVALID_ARGUMENT when the size of `data` is not exactly what the
+// header's counts, lengths and flags say, or the region's bounds wrap the
+// address space.
+absl::StatusOr<ReadStartBody> DecodeReadStartBody(
+    const ReadStartHeader& header, absl::string_view data);
+absl::StatusOr<WritePullBody> DecodeWritePullBody(
+    const WritePullHeader& header, absl::string_view data);
+
+// Whether the `size` bytes at `address` lie inside the region of `length`
+// bytes at `base` (which must not wrap: the decoders check it). A block
+// outside would be read or written outside the peer's mapping of the
+// region, which UCX does not bound over shared memory.
+bool RegionContains(uint64_t base, uint64_t length, uint64_t address,
+                    uint64_t size);
+
 }  // namespace kvcache::ucx
 
-#endif  // KVCACHE_SERVICE_UCX_WIRE_H_
+#endif  // KVCACHE_TRANSPORT_WIRE_H_

@@ -1,7 +1,7 @@
 // A thin logger: one line per event on stderr, with a UTC timestamp.
 // (Debian's Abseil 20220623 has no absl/log.)
-#ifndef KVCACHE_SERVICE_LOG_H_
-#define KVCACHE_SERVICE_LOG_H_
+#ifndef KVCACHE_BASE_LOG_H_
+#define KVCACHE_BASE_LOG_H_
 
 #include <cstdio>
 #include <string>
@@ -10,7 +10,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
-namespace kvcache::service {
+namespace kvcache {
 
 inline void LogLine(const char* level, absl::string_view message) {
   std::string line = absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ ", absl::Now(),
@@ -22,6 +22,6 @@ inline void LogLine(const char* level, absl::string_view message) {
 inline void LogInfo(absl::string_view message) { LogLine("I", message); }
 inline void LogError(absl::string_view message) { LogLine("E", message); }
 
-}  // namespace kvcache::service
+}  // namespace kvcache
 
-#endif  // KVCACHE_SERVICE_LOG_H_
+#endif  // KVCACHE_BASE_LOG_H_

@@ -1,4 +1,4 @@
-#include "service/ucx/tcp_segments.h"
+#include "transport/tcp_segments.h"
 
 #include <uct/api/uct.h>
 
@@ -13,7 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "service/ucx/status.h"
+#include "transport/status.h"
 
 namespace kvcache::ucx {
 namespace {

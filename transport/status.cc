@@ -1,4 +1,4 @@
-#include "service/ucx/status.h"
+#include "transport/status.h"
 
 #include "absl/strings/str_cat.h"
 
