@@ -33,6 +33,9 @@ namespace hn = hwy::HWY_NAMESPACE;
 // x86 targets from AVX2 up have F16C, whose conversions round to nearest even
 // and handle subnormals, infinities and NaN like HalfFromFloat/HalfToFloat.
 // Highway's emulation on older targets truncates, so those use ours.
+// (Highway compiles this file once per target: each pass sets the per-target
+// switches anew.)
+#undef KVCACHE_NATIVE_F16C
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
 #define KVCACHE_NATIVE_F16C 1
 #else
@@ -437,6 +440,7 @@ HWY_INLINE void EncodeFp8Exact(const uint16_t* in, size_t n, float scale,
 // grids.
 // kernels/codec_simd_test.cc checks every finite fp16 value against the
 // reference over a spread of scales.
+#undef KVCACHE_FP8_TABLE
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
 #define KVCACHE_FP8_TABLE 1
 
@@ -991,6 +995,7 @@ bool KiviFits(const Section& s, size_t N) {
 // min(rint(q), qmax), q >= 0) and packed to b bits with multiply-adds, with
 // no staging buffer. Value groups of 32k channels get their extremes from a
 // butterfly across 16 groups instead of one horizontal reduction per group.
+#undef KVCACHE_KIVI_AVX512
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
 #define KVCACHE_KIVI_AVX512 1
 
