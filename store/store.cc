@@ -350,17 +350,14 @@ absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config) {
   const uint32_t tokens = info.config.shape.tokens_per_block;
   ns->window_blocks = (info.config.residual_tokens + tokens - 1) / tokens;
   ns->residual_policy.codec = Codec::kNone;
-  {
-    MutexLock pool_lock(&pool_mu_);
-    ns->pages_per_block = pool_.PagesFor(info.encoded_block_bytes);
-    ns->pages_per_residual_block = pool_.PagesFor(info.fp16_block_bytes);
-    uint32_t largest = ns->window_blocks > 0 ? ns->pages_per_residual_block
-                                             : ns->pages_per_block;
-    if (largest > pool_.num_pages()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "one block of this layout (", largest, " pages of ",
-          pool_.page_size(), " bytes) is larger than the whole pool"));
-    }
+  ns->pages_per_block = pool_.PagesFor(info.encoded_block_bytes);
+  ns->pages_per_residual_block = pool_.PagesFor(info.fp16_block_bytes);
+  uint32_t largest = ns->window_blocks > 0 ? ns->pages_per_residual_block
+                                           : ns->pages_per_block;
+  if (largest > pool_.num_pages()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "one block of this layout (", largest, " pages of ", pool_.page_size(),
+        " bytes) is larger than the whole pool"));
   }
   namespaces_[num_namespaces_++] = std::move(ns);
   return info;
@@ -391,14 +388,19 @@ Store::Namespace* Store::NamespaceById(uint16_t id) const {
 
 // ------------------------------------------------------------ shard helpers
 
-Store::Entry* Store::Find(Shard& shard, const KeyRef& ref) {
+// Each requires the shard's mutex (declared in store.h, where Shard is
+// incomplete, so the requirement is stated on these definitions; every
+// caller comes after them).
+Store::Entry* Store::Find(Shard& shard, const KeyRef& ref)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
   auto it = shard.index.find(ref);
   return it == shard.index.end() ? nullptr : *it;
 }
 
 void Store::Touch(Entry* entry) { entry->last_access = ++tick_; }
 
-void Store::UpdateEvictable(Shard& shard, Entry* entry) {
+void Store::UpdateEvictable(Shard& shard, Entry* entry)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
   bool should =
       !entry->is(kRemoved) && entry->pins == 0 && entry->children == 0;
   if (should == entry->is(kEvictable)) return;
@@ -413,7 +415,8 @@ void Store::UpdateEvictable(Shard& shard, Entry* entry) {
   entry->set(kEvictable, should);
 }
 
-void Store::Pin(Shard& shard, Entry* entry) {
+void Store::Pin(Shard& shard, Entry* entry)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
   if (entry->pins++ == 0) pinned_pages_ += entry->pages.count;
   UpdateEvictable(shard, entry);
 }
@@ -442,13 +445,15 @@ void Store::AccountAdd(const Entry& entry, int sign) {
   if (residual) add(ns->residual_blocks, 1);
 }
 
-void Store::MaybeFree(Shard& shard, Entry* entry) {
+void Store::MaybeFree(Shard& shard, Entry* entry)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
   if (entry->is(kRemoved) && entry->pins == 0 && entry->children == 0) {
     shard.FreeEntry(entry);
   }
 }
 
-Store::Entry* Store::RemoveEntry(Shard& shard, Entry* entry) {
+Store::Entry* Store::RemoveEntry(Shard& shard, Entry* entry)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
   if (entry->is(kEvictable)) {
     shard.lru.erase({entry->lru_tick, entry});
     shard.evictable_pages -= entry->pages.count;
@@ -467,7 +472,8 @@ Store::Entry* Store::RemoveEntry(Shard& shard, Entry* entry) {
   return parent;
 }
 
-void Store::Unpin(Shard& shard, Entry* entry) {
+void Store::Unpin(Shard& shard, Entry* entry)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
   if (--entry->pins > 0) return;
   pinned_pages_ -= entry->pages.count;
   if (entry->is(kRemoved)) {
@@ -504,7 +510,6 @@ void Store::UnpinAll(const std::vector<Entry*>& entries) {
 
 void Store::ReleasePages(const PageList& pages) {
   if (pages.count == 0) return;
-  MutexLock lock(&pool_mu_);
   pool_.Release(pages);
 }
 
@@ -539,12 +544,8 @@ bool Store::EvictOne(std::atomic<uint64_t>* counter) {
 
 bool Store::ReservePages(uint32_t count, PageList* pages) {
   while (true) {
-    uint64_t free_pages;
-    {
-      MutexLock lock(&pool_mu_);
-      if (pool_.Allocate(count, pages)) return true;
-      free_pages = pool_.free_pages();
-    }
+    uint32_t free_pages;
+    if (pool_.Allocate(count, pages, &free_pages)) return true;
     // Refuse before evicting anything when even every unpinned block could
     // not make room. (Only leaves are evictable, but evicting a leaf makes
     // its parent one, so every unpinned block without pinned descendants
@@ -733,11 +734,7 @@ absl::StatusOr<BeginWriteResult> Store::BeginWrite(const std::string& ns_name,
                                  ? ns->pages_per_residual_block
                                  : ns->pages_per_block;
   const uint64_t needed = uint64_t{missing} * per_block;
-  uint32_t total_pages;
-  {
-    MutexLock lock(&pool_mu_);
-    total_pages = pool_.num_pages();
-  }
+  const uint32_t total_pages = pool_.num_pages();
   if (needed > total_pages) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "%u blocks need %u pages; the whole pool has %u: split the write",
@@ -1338,11 +1335,7 @@ absl::StatusOr<uint32_t> Store::Delete(const std::string& ns_name,
 int Store::RunMaintenance(absl::Time now) {
   ExpireLeases(now);
   if (options_.high_watermark < 1.0) {
-    uint64_t total;
-    {
-      MutexLock lock(&pool_mu_);
-      total = pool_.num_pages();
-    }
+    const uint64_t total = pool_.num_pages();
     const double high = options_.high_watermark * total;
     const double low = options_.low_watermark * total;
     if (static_cast<double>(used_pages_ + reserved_pages_) > high) {
@@ -1374,12 +1367,8 @@ int Store::RunMaintenance(absl::Time now) {
 StoreStats Store::Stats() const {
   StoreStats s;
   const uint64_t page = options_.page_size;
-  uint64_t free_pages;
-  {
-    MutexLock lock(&pool_mu_);
-    s.capacity_bytes = pool_.capacity_bytes();
-    free_pages = pool_.free_pages();
-  }
+  s.capacity_bytes = pool_.capacity_bytes();
+  const uint64_t free_pages = pool_.free_pages();
   s.page_size = options_.page_size;
   s.used_bytes = used_pages_ * page;
   s.reserved_bytes = reserved_pages_ * page;
