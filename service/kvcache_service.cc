@@ -50,6 +50,17 @@ std::vector<std::string> Keys(
 
 absl::Duration Millis(uint32_t ms) { return absl::Milliseconds(ms); }
 
+// The store's options for a BeginRead request, with no lease kept.
+store::ReadOptions ReadOptionsFromProto(const v1::BeginReadRequest& request,
+                                        store::ReadFormat format) {
+  store::ReadOptions options;
+  options.format = format;
+  options.ttl = Millis(request.lease_ttl_ms());
+  options.pin_lease_id = request.pin_lease_id();
+  options.allow_missing = request.allow_missing();
+  return options;
+}
+
 // The parts of a read's answer that do not depend on the blocks' bytes:
 // the missing keys and the namespace's layout and policy.
 void DescribeRead(const store::ReadResult& r, v1::BeginReadResponse* response) {
@@ -312,10 +323,11 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   absl::StatusOr<ucx::StagingReservation> reservation =
       data_plane_->ReserveStaging(per_block * request->keys_size());
   if (!reservation.ok()) return reservation.status();
+  store::ReadOptions options = ReadOptionsFromProto(*request, format);
+  options.keep_lease = true;
+  options.in_place = true;
   absl::StatusOr<store::ReadResult> r = store_->BeginRead(
-      request->namespace_name(), Keys(request->keys()), format,
-      Millis(request->lease_ttl_ms()), request->pin_lease_id(),
-      /*keep_lease=*/true, request->allow_missing(), /*in_place=*/true);
+      request->namespace_name(), Keys(request->keys()), options);
   if (!r.ok()) return r.status();
   DescribeRead(*r, response);
   if (r->blocks.empty()) {
@@ -365,10 +377,9 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
     if (!request->inline_data() && data_plane_ != nullptr) {
       return BeginDataPlaneRead(request, format, response);
     }
-    absl::StatusOr<store::ReadResult> r = store_->BeginRead(
-        request->namespace_name(), Keys(request->keys()), format,
-        Millis(request->lease_ttl_ms()), request->pin_lease_id(),
-        /*keep_lease=*/false, request->allow_missing());
+    absl::StatusOr<store::ReadResult> r =
+        store_->BeginRead(request->namespace_name(), Keys(request->keys()),
+                          ReadOptionsFromProto(*request, format));
     if (!r.ok()) return r.status();
     DescribeRead(*r, response);
     uint64_t bytes = 0;

@@ -1151,31 +1151,15 @@ bool Store::Reencode(const ReencodeJob& job) {
 
 // --------------------------------------------------------------------- read
 
-absl::StatusOr<ReadResult> Store::BeginRead(
-    const std::string& ns_name, absl::Span<const std::string> keys,
-    ReadFormat format, absl::Duration ttl, uint64_t pin_lease_id,
-    bool keep_lease, bool allow_missing, bool in_place) {
-  if (absl::Status s = ValidateKeys(keys, options_.max_blocks_per_request);
-      !s.ok()) {
-    return s;
-  }
-  absl::StatusOr<Namespace*> found_ns = FindNamespace(ns_name);
-  if (!found_ns.ok()) return found_ns.status();
-  Namespace* ns = *found_ns;
-  if (pin_lease_id != 0) {
-    MutexLock lock(&lease_mu_);
-    if (!read_leases_.contains(pin_lease_id)) {
-      return absl::FailedPreconditionError(
-          "pin lease is unknown or has expired");
-    }
-  }
-  ReadResult result;
-  std::vector<Entry*> entries;
-  std::vector<uint32_t> positions;  // of entries[j] in keys
-  entries.reserve(keys.size());
-  positions.reserve(keys.size());
+absl::Status Store::PinForRead(const Namespace& ns,
+                               absl::Span<const std::string> keys,
+                               bool allow_missing, std::vector<Entry*>* entries,
+                               std::vector<uint32_t>* positions,
+                               std::vector<uint32_t>* missing) {
+  entries->reserve(keys.size());
+  positions->reserve(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
-    KeyRef ref = MakeKeyRef(ns->id, keys[i]);
+    KeyRef ref = MakeKeyRef(ns.id, keys[i]);
     Shard& shard = ShardOf(ref);
     Entry* entry;
     {
@@ -1188,77 +1172,122 @@ absl::StatusOr<ReadResult> Store::BeginRead(
     }
     if (entry == nullptr) {
       if (allow_missing) {
-        result.missing.push_back(static_cast<uint32_t>(i));
+        missing->push_back(static_cast<uint32_t>(i));
         continue;
       }
-      UnpinAll(entries);
+      UnpinAll(*entries);
+      entries->clear();
       return absl::NotFoundError(absl::StrCat("block ", i, " is not stored"));
     }
-    entries.push_back(entry);
-    positions.push_back(static_cast<uint32_t>(i));
+    entries->push_back(entry);
+    positions->push_back(static_cast<uint32_t>(i));
   }
-  if (pin_lease_id != 0) ReleaseReadLease(pin_lease_id);
+  return absl::OkStatus();
+}
+
+absl::Status Store::ReadPinnedBlock(const Namespace& ns, const Entry& entry,
+                                    const ReadOptions& options,
+                                    std::vector<uint8_t>* stored,
+                                    ReadBlock* block, absl::Status* verified) {
+  // Pinned pages are immutable and never reused, so they are read unlocked.
+  const kernels::BlockShape& shape = ns.info.config.shape;
+  const bool residual = entry.is(kResidual);
+  const kernels::CodecPolicy& policy =
+      residual ? ns.residual_policy : ns.info.config.policy;
+  const size_t payload_bytes =
+      residual ? ns.info.fp16_block_bytes : ns.info.encoded_block_bytes;
+  block->codec = policy.codec;
+  // In place (see the header): verified where it lies, one pass over the
+  // pages (the checksum) and no copy; the pin keeps the pages as they are
+  // until the lease ends. Otherwise a raw read gathers straight into the
+  // reply and an fp16 read gathers into scratch and decodes into the
+  // reply: one copy of the pages either way.
+  const uint8_t* base = arena_->host_base();
+  const bool here = options.in_place && options.keep_lease && base != nullptr &&
+                    (options.format == ReadFormat::kRaw ||
+                     policy.codec == kernels::Codec::kNone);
+  BlockHeader header;
+  absl::Status status;
+  if (here) {
+    XXH3_state_t hash_state;
+    XXH3_64bits_reset(&hash_state);
+    status = pool_.ForEachRun(
+        entry.pages, payload_bytes, [&](uint64_t offset, size_t, size_t n) {
+          block->spans.emplace_back(base + offset, n);
+          XXH3_64bits_update(&hash_state, base + offset, n);
+          return absl::OkStatus();
+        });
+    if (status.ok()) status = ReadHeader(entry.pages.first, &header);
+    if (!status.ok()) return status;
+    *verified = VerifyBlockMetadata(header, shape, policy, ns.info.fingerprint,
+                                    block->key, block->size(),
+                                    XXH3_64bits_digest(&hash_state));
+    return absl::OkStatus();
+  }
+  absl::Span<uint8_t> payload;
+  if (options.format == ReadFormat::kRaw) {
+    block->data.resize(payload_bytes);
+    payload = absl::MakeSpan(reinterpret_cast<uint8_t*>(block->data.data()),
+                             payload_bytes);
+  } else {
+    stored->resize(payload_bytes);
+    payload = absl::MakeSpan(*stored);
+  }
+  status = pool_.Gather(entry.pages, payload);
+  if (status.ok()) status = ReadHeader(entry.pages.first, &header);
+  if (!status.ok()) return status;
+  *verified = VerifyBlock(header, shape, policy, ns.info.fingerprint,
+                          block->key, payload);
+  if (!verified->ok() || options.format != ReadFormat::kFp16) {
+    return absl::OkStatus();
+  }
+  block->data.resize(ns.info.fp16_block_bytes);
+  return kernels::DecodeBlock(
+      shape, policy, *stored,
+      absl::MakeSpan(reinterpret_cast<uint16_t*>(block->data.data()),
+                     block->data.size() / 2));
+}
+
+absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
+                                            absl::Span<const std::string> keys,
+                                            const ReadOptions& options) {
+  if (absl::Status s = ValidateKeys(keys, options_.max_blocks_per_request);
+      !s.ok()) {
+    return s;
+  }
+  absl::StatusOr<Namespace*> found_ns = FindNamespace(ns_name);
+  if (!found_ns.ok()) return found_ns.status();
+  Namespace* ns = *found_ns;
+  if (options.pin_lease_id != 0) {
+    MutexLock lock(&lease_mu_);
+    if (!read_leases_.contains(options.pin_lease_id)) {
+      return absl::FailedPreconditionError(
+          "pin lease is unknown or has expired");
+    }
+  }
+  ReadResult result;
+  std::vector<Entry*> entries;
+  std::vector<uint32_t> positions;  // of entries[j] in keys
+  if (absl::Status s = PinForRead(*ns, keys, options.allow_missing, &entries,
+                                  &positions, &result.missing);
+      !s.ok()) {
+    return s;
+  }
+  if (options.pin_lease_id != 0) ReleaseReadLease(options.pin_lease_id);
 
   result.ns = ns->info;
-  // Pinned pages are immutable and never reused, so they are read unlocked.
-  const kernels::BlockShape& shape = ns->info.config.shape;
   std::vector<uint8_t> stored;
   absl::Status status;
   for (size_t j = 0; j < entries.size() && status.ok(); ++j) {
     Entry* entry = entries[j];
-    const std::string& key = keys[positions[j]];
-    const bool residual = entry->is(kResidual);
-    const kernels::CodecPolicy& policy =
-        residual ? ns->residual_policy : ns->info.config.policy;
-    const size_t payload_bytes =
-        residual ? ns->info.fp16_block_bytes : ns->info.encoded_block_bytes;
     ReadBlock block;
-    block.key = key;
-    block.codec = policy.codec;
-    // In place (see the header): verified where it lies, one pass over the
-    // pages (the checksum) and no copy; the pin keeps the pages as they are
-    // until the lease ends. Otherwise a raw read gathers straight into the
-    // reply and an fp16 read gathers into scratch and decodes into the
-    // reply: one copy of the pages either way.
-    const uint8_t* base = arena_->host_base();
-    const bool here =
-        in_place && keep_lease && base != nullptr &&
-        (format == ReadFormat::kRaw || policy.codec == kernels::Codec::kNone);
-    BlockHeader header;
+    block.key = keys[positions[j]];
     absl::Status verified;
-    if (here) {
-      XXH3_state_t hash_state;
-      XXH3_64bits_reset(&hash_state);
-      status = pool_.ForEachRun(
-          entry->pages, payload_bytes, [&](uint64_t offset, size_t, size_t n) {
-            block.spans.emplace_back(base + offset, n);
-            XXH3_64bits_update(&hash_state, base + offset, n);
-            return absl::OkStatus();
-          });
-      if (status.ok()) status = ReadHeader(entry->pages.first, &header);
-      if (!status.ok()) break;
-      verified =
-          VerifyBlockMetadata(header, shape, policy, ns->info.fingerprint, key,
-                              block.size(), XXH3_64bits_digest(&hash_state));
-    } else {
-      absl::Span<uint8_t> payload;
-      if (format == ReadFormat::kRaw) {
-        block.data.resize(payload_bytes);
-        payload = absl::MakeSpan(reinterpret_cast<uint8_t*>(block.data.data()),
-                                 payload_bytes);
-      } else {
-        stored.resize(payload_bytes);
-        payload = absl::MakeSpan(stored);
-      }
-      status = pool_.Gather(entry->pages, payload);
-      if (status.ok()) status = ReadHeader(entry->pages.first, &header);
-      if (!status.ok()) break;
-      verified = VerifyBlock(header, shape, policy, ns->info.fingerprint, key,
-                             payload);
-    }
+    status = ReadPinnedBlock(*ns, *entry, options, &stored, &block, &verified);
+    if (!status.ok()) break;
     if (!verified.ok()) {
       DropCorrupt(entry);
-      if (!allow_missing) {
+      if (!options.allow_missing) {
         status = absl::DataLossError(absl::StrCat("block ", positions[j], ": ",
                                                   verified.message(),
                                                   "; the block was dropped"));
@@ -1274,28 +1303,21 @@ absl::StatusOr<ReadResult> Store::BeginRead(
       result.missing.push_back(positions[j]);
       continue;
     }
-    if (!here && format == ReadFormat::kFp16) {
-      block.data.resize(ns->info.fp16_block_bytes);
-      status = kernels::DecodeBlock(
-          shape, policy, stored,
-          absl::MakeSpan(reinterpret_cast<uint16_t*>(block.data.data()),
-                         block.data.size() / 2));
-      if (!status.ok()) break;
-    }
     result.blocks.push_back(std::move(block));
   }
   entries.erase(std::remove(entries.begin(), entries.end(), nullptr),
                 entries.end());
   std::sort(result.missing.begin(), result.missing.end());
 
-  if (!status.ok() || !keep_lease) {
+  if (!status.ok() || !options.keep_lease) {
     UnpinAll(entries);
     if (!status.ok()) return status;
     return result;
   }
   auto lease = std::make_unique<ReadLease>();
   lease->entries = std::move(entries);
-  lease->deadline = LeaseDeadline(ttl);
+  lease->deadline = LeaseDeadline(options.ttl);
+  result.deadline = lease->deadline;
   MutexLock lock(&lease_mu_);
   result.lease_id = NewLeaseId();
   read_leases_.emplace(result.lease_id, std::move(lease));

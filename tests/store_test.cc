@@ -71,12 +71,38 @@ std::vector<std::string> Keys(int first, int n) {
   return k;
 }
 
+// BeginRead's options: a read copied out with no lease kept ...
+ReadOptions Copy(ReadFormat format) {
+  ReadOptions o;
+  o.format = format;
+  return o;
+}
+
+// ... or one whose pins stay under a read lease of `ttl`,
+ReadOptions Leased(ReadFormat format, absl::Duration ttl) {
+  ReadOptions o = Copy(format);
+  o.ttl = ttl;
+  o.keep_lease = true;
+  return o;
+}
+
+// and the same reading what is there (ReadOptions::allow_missing) ...
+ReadOptions AllowMissing(ReadOptions o) {
+  o.allow_missing = true;
+  return o;
+}
+
+// ... or serving blocks in place (ReadOptions::in_place).
+ReadOptions InPlace(ReadOptions o) {
+  o.in_place = true;
+  return o;
+}
+
 TEST(StoreTest, RoundTripIsExactForCodecNone) {
   auto store = MakeStore(1 << 20);
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
   ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
-  auto read = store->BeginRead("ns", Keys(0, 3), ReadFormat::kFp16,
-                               absl::ZeroDuration(), 0, false);
+  auto read = store->BeginRead("ns", Keys(0, 3), Copy(ReadFormat::kFp16));
   ASSERT_TRUE(read.ok()) << read.status();
   ASSERT_EQ(read->blocks.size(), 3u);
   for (int i = 0; i < 3; ++i) {
@@ -93,10 +119,8 @@ TEST(StoreTest, RawReadMatchesTheCodecAndDecodesToTheFp16Read) {
   auto store = MakeStore(1 << 20);
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kFp8E4M3)).ok());
   ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 1).ok());
-  auto raw = store->BeginRead("ns", Keys(0, 1), ReadFormat::kRaw,
-                              absl::ZeroDuration(), 0, false);
-  auto fp16 = store->BeginRead("ns", Keys(0, 1), ReadFormat::kFp16,
-                               absl::ZeroDuration(), 0, false);
+  auto raw = store->BeginRead("ns", Keys(0, 1), Copy(ReadFormat::kRaw));
+  auto fp16 = store->BeginRead("ns", Keys(0, 1), Copy(ReadFormat::kFp16));
   ASSERT_TRUE(raw.ok() && fp16.ok());
   kernels::CodecPolicy policy;
   policy.codec = Codec::kFp8E4M3;
@@ -140,13 +164,10 @@ TEST(StoreTest, InPlaceReadsServeVerifiedPinnedPagesThatStayUntilTheLeaseEnds) {
     ASSERT_TRUE(store->Delete("filler", Keys(i, 1)).ok());
   }
   ASSERT_TRUE(WriteChain(store.get(), "ns", 200, 6).ok());
-  auto copy = store->BeginRead("ns", Keys(200, 6), ReadFormat::kRaw,
-                               absl::ZeroDuration(), 0, false);
+  auto copy = store->BeginRead("ns", Keys(200, 6), Copy(ReadFormat::kRaw));
   ASSERT_TRUE(copy.ok()) << copy.status();
-  auto in_place =
-      store->BeginRead("ns", Keys(200, 6), ReadFormat::kRaw, absl::Seconds(30),
-                       0, /*keep_lease=*/true, /*allow_missing=*/false,
-                       /*in_place=*/true);
+  auto in_place = store->BeginRead(
+      "ns", Keys(200, 6), InPlace(Leased(ReadFormat::kRaw, absl::Seconds(30))));
   ASSERT_TRUE(in_place.ok()) << in_place.status();
   ASSERT_NE(in_place->lease_id, 0u);
   size_t pieces = 0;
@@ -174,19 +195,16 @@ TEST(StoreTest, InPlaceReadsServeVerifiedPinnedPagesThatStayUntilTheLeaseEnds) {
   // without keep_lease nothing is served in place.
   ASSERT_TRUE(WriteChain(store.get(), "ns", 400, 2).ok());
   auto decoded =
-      store->BeginRead("ns", Keys(400, 2), ReadFormat::kFp16, absl::Seconds(30),
-                       0, /*keep_lease=*/true, /*allow_missing=*/false,
-                       /*in_place=*/true);
+      store->BeginRead("ns", Keys(400, 2),
+                       InPlace(Leased(ReadFormat::kFp16, absl::Seconds(30))));
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   for (const ReadBlock& block : decoded->blocks) {
     EXPECT_TRUE(block.spans.empty());
     EXPECT_EQ(block.data.size(), kernels::Fp16BlockBytes(SmallShape()));
   }
   ASSERT_TRUE(store->EndLease(decoded->lease_id).ok());
-  auto unleased = store->BeginRead(
-      "ns", Keys(400, 2), ReadFormat::kRaw, absl::ZeroDuration(), 0,
-      /*keep_lease=*/false, /*allow_missing=*/false,
-      /*in_place=*/true);
+  auto unleased =
+      store->BeginRead("ns", Keys(400, 2), InPlace(Copy(ReadFormat::kRaw)));
   ASSERT_TRUE(unleased.ok());
   EXPECT_TRUE(unleased->blocks[0].spans.empty());
   EXPECT_FALSE(unleased->blocks[0].data.empty());
@@ -197,9 +215,8 @@ TEST(StoreTest, InPlaceReadOfACorruptBlockIsDataLossAndDropsIt) {
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
   ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
   ASSERT_TRUE(store->CorruptBlockForTest("ns", Key(2)).ok());
-  auto read = store->BeginRead("ns", Keys(0, 3), ReadFormat::kFp16,
-                               absl::Seconds(30), 0, true,
-                               /*allow_missing=*/false, /*in_place=*/true);
+  auto read = store->BeginRead(
+      "ns", Keys(0, 3), InPlace(Leased(ReadFormat::kFp16, absl::Seconds(30))));
   EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss) << read.status();
   StoreStats s = store->Stats();
   EXPECT_EQ(s.data_loss_events, 1u);
@@ -215,9 +232,9 @@ TEST(StoreTest, InPlaceReadWithAllowMissingListsACorruptBlockAsMissing) {
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
   ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
   ASSERT_TRUE(store->CorruptBlockForTest("ns", Key(1)).ok());
-  auto read = store->BeginRead("ns", Keys(0, 3), ReadFormat::kRaw,
-                               absl::Seconds(30), 0, /*keep_lease=*/true,
-                               /*allow_missing=*/true, /*in_place=*/true);
+  auto read = store->BeginRead(
+      "ns", Keys(0, 3),
+      InPlace(AllowMissing(Leased(ReadFormat::kRaw, absl::Seconds(30)))));
   ASSERT_TRUE(read.ok()) << read.status();
   ASSERT_EQ(read->blocks.size(), 2u);
   EXPECT_EQ(read->missing, std::vector<uint32_t>{1});
@@ -529,8 +546,7 @@ TEST(StoreTest, StagedBlocksEncodeBeforeCommitAndStayInvisibleUntilIt) {
   auto commit = store->CommitWrite(begin->write_id, {{5, bytes(5)}});
   ASSERT_TRUE(commit.ok()) << commit.status();
   EXPECT_EQ(commit->stored, 6u);
-  auto raw = store->BeginRead("ns", Keys(0, 6), ReadFormat::kRaw,
-                              absl::ZeroDuration(), 0, false);
+  auto raw = store->BeginRead("ns", Keys(0, 6), Copy(ReadFormat::kRaw));
   ASSERT_TRUE(raw.ok()) << raw.status();
   for (int i = 0; i < 6; ++i) {
     std::vector<uint8_t> want = ReferenceEncoding(Codec::kFp8E4M3, i);
@@ -615,10 +631,10 @@ TEST(StoreTest, AHeldReadLeaseEndsOnlyByEndLease) {
   auto store = MakeStore(1 << 20);
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
   ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 2).ok());
-  auto held = store->BeginRead("ns", Keys(0, 1), ReadFormat::kRaw,
-                               absl::Milliseconds(1), 0, true);
-  auto other = store->BeginRead("ns", Keys(1, 1), ReadFormat::kRaw,
-                                absl::Milliseconds(1), 0, true);
+  auto held = store->BeginRead("ns", Keys(0, 1),
+                               Leased(ReadFormat::kRaw, absl::Milliseconds(1)));
+  auto other = store->BeginRead(
+      "ns", Keys(1, 1), Leased(ReadFormat::kRaw, absl::Milliseconds(1)));
   ASSERT_TRUE(held.ok() && other.ok());
   ASSERT_TRUE(store->HoldReadLease(held->lease_id).ok());
   EXPECT_EQ(store->ExpireLeases(absl::Now() + absl::Seconds(1)), 1);
@@ -638,8 +654,7 @@ TEST(StoreTest, CorruptPayloadOrHeaderIsDataLossAndDropsTheBlock) {
     ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
     uint64_t used_before = store->Stats().used_bytes;
     ASSERT_TRUE(store->CorruptBlockForTest("ns", Key(1), header).ok());
-    auto read = store->BeginRead("ns", Keys(0, 3), ReadFormat::kFp16,
-                                 absl::ZeroDuration(), 0, false);
+    auto read = store->BeginRead("ns", Keys(0, 3), Copy(ReadFormat::kFp16));
     EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss)
         << read.status();
     StoreStats s = store->Stats();
@@ -651,10 +666,8 @@ TEST(StoreTest, CorruptPayloadOrHeaderIsDataLossAndDropsTheBlock) {
                   ->prefix_blocks,
               1u);
     // The intact block still reads.
-    EXPECT_TRUE(store
-                    ->BeginRead("ns", Keys(0, 1), ReadFormat::kFp16,
-                                absl::ZeroDuration(), 0, false)
-                    .ok());
+    EXPECT_TRUE(
+        store->BeginRead("ns", Keys(0, 1), Copy(ReadFormat::kFp16)).ok());
   }
 }
 
@@ -668,9 +681,10 @@ TEST(StoreTest, AllowMissingReadsTheRestAndListsTheMisses) {
   ASSERT_TRUE(store->CorruptBlockForTest("ns", Key(2)).ok());
   // Keys 0..5: 3 and 4 were never stored, 2 fails its checksum.
   for (bool keep_lease : {false, true}) {
-    auto read = store->BeginRead("ns", Keys(0, 6), ReadFormat::kFp16,
-                                 absl::Seconds(10), 0, keep_lease,
-                                 /*allow_missing=*/true);
+    ReadOptions options = AllowMissing(Copy(ReadFormat::kFp16));
+    options.ttl = absl::Seconds(10);
+    options.keep_lease = keep_lease;
+    auto read = store->BeginRead("ns", Keys(0, 6), options);
     ASSERT_TRUE(read.ok()) << read.status();
     EXPECT_EQ(read->missing, (std::vector<uint32_t>{2, 3, 4}));
     ASSERT_EQ(read->blocks.size(), 3u);
@@ -699,33 +713,32 @@ TEST(StoreTest, AllowMissingReadsTheRestAndListsTheMisses) {
     EXPECT_EQ(store->Stats().pinned_bytes, 0u);
   }
   // Nothing stored at all: an empty read, still no error.
-  auto none = store->BeginRead("ns", Keys(10, 2), ReadFormat::kRaw,
-                               absl::Seconds(10), 0, true, true);
+  auto none = store->BeginRead(
+      "ns", Keys(10, 2),
+      AllowMissing(Leased(ReadFormat::kRaw, absl::Seconds(10))));
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_TRUE(none->blocks.empty());
   EXPECT_EQ(none->missing, (std::vector<uint32_t>{0, 1}));
   ASSERT_TRUE(store->EndLease(none->lease_id).ok());
   // Without allow_missing the same keys fail the read as before.
-  EXPECT_EQ(store
-                ->BeginRead("ns", Keys(0, 6), ReadFormat::kFp16,
-                            absl::ZeroDuration(), 0, false)
+  EXPECT_EQ(store->BeginRead("ns", Keys(0, 6), Copy(ReadFormat::kFp16))
                 .status()
                 .code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(store->Stats().pinned_bytes, 0u);
   // Bad input is still an error.
   EXPECT_EQ(store
-                ->BeginRead("ns", {std::string(65, 'k')}, ReadFormat::kFp16,
-                            absl::ZeroDuration(), 0, false, true)
+                ->BeginRead("ns", {std::string(65, 'k')},
+                            AllowMissing(Copy(ReadFormat::kFp16)))
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(store
-                ->BeginRead("nope", Keys(0, 1), ReadFormat::kFp16,
-                            absl::ZeroDuration(), 0, false, true)
-                .status()
-                .code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(
+      store
+          ->BeginRead("nope", Keys(0, 1), AllowMissing(Copy(ReadFormat::kFp16)))
+          .status()
+          .code(),
+      absl::StatusCode::kNotFound);
 }
 
 TEST(StoreTest, FailedCommitStoresNothingAndKeepsEarlierData) {
@@ -751,10 +764,7 @@ TEST(StoreTest, FailedCommitStoresNothingAndKeepsEarlierData) {
   StoreStats s = store->Stats();
   EXPECT_EQ(s.reserved_bytes, 0u);
   EXPECT_EQ(s.codecs[1].blocks, 1u);
-  EXPECT_TRUE(store
-                  ->BeginRead("ns", Keys(0, 1), ReadFormat::kFp16,
-                              absl::ZeroDuration(), 0, false)
-                  .ok());
+  EXPECT_TRUE(store->BeginRead("ns", Keys(0, 1), Copy(ReadFormat::kFp16)).ok());
 }
 
 TEST(StoreTest, RegistrationRules) {
@@ -827,8 +837,8 @@ TEST(StoreTest, ConcurrentStressNeverReturnsWrongBytes) {
             break;
           }
           case 2: {
-            auto r = store->BeginRead("ns", Keys(first, 1), ReadFormat::kFp16,
-                                      absl::ZeroDuration(), 0, false);
+            auto r =
+                store->BeginRead("ns", Keys(first, 1), Copy(ReadFormat::kFp16));
             if (!r.ok()) break;  // evicted or never written: a miss
             ++reads;
             std::vector<uint16_t> want = RandomBlock(SmallShape(), first);
@@ -896,8 +906,7 @@ TEST(StoreTest, KiviResidualWindowKeepsRecentBlocksFp16ThenReencodes) {
   EXPECT_EQ(s.used_bytes,
             (3 * pages(Codec::kKivi2) + 2 * pages(Codec::kNone)) * kPage);
 
-  auto raw = store->BeginRead("ns", Keys(0, 5), ReadFormat::kRaw,
-                              absl::ZeroDuration(), 0, false);
+  auto raw = store->BeginRead("ns", Keys(0, 5), Copy(ReadFormat::kRaw));
   ASSERT_TRUE(raw.ok()) << raw.status();
   for (int i = 0; i < 5; ++i) {
     const ReadBlock& b = raw->blocks[i];
