@@ -24,6 +24,12 @@
 //    and payload checksum; a failure answers DATA_LOSS, drops the block and
 //    counts it.
 //
+// Leases: the lease table owns every open lease between calls (their ids
+// cross the wire); code that works on one takes it out as a WriteClaim or
+// ReadClaim (store/lease_claim.h), which ends it unless handed on. The TTL
+// of every lease is clamped here (StoreOptions) and nowhere else: callers
+// that bound a session by its lease take the deadline from the result.
+//
 // Concurrency: the index is split into shards by key hash, each with its own
 // mutex, hash set, entry slab and LRU order; the page pool, the leases and
 // the namespaces have one mutex each. No thread holds two shard mutexes at

@@ -1,5 +1,5 @@
-// Store: visibility, accounting, prefix-aware LRU eviction, leases,
-// integrity and concurrency.
+// Store: visibility, accounting, prefix-aware LRU eviction, leases and
+// their claims, integrity and concurrency.
 #include "store/store.h"
 
 #include <atomic>
@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "store/block_header.h"
+#include "store/lease_claim.h"
 #include "tests/test_util.h"
 
 namespace kvcache::store {
@@ -645,6 +646,161 @@ TEST(StoreTest, AHeldReadLeaseEndsOnlyByEndLease) {
   EXPECT_TRUE(store->EndLease(held->lease_id).ok());
   EXPECT_EQ(store->Stats().pinned_bytes, 0u);
   EXPECT_EQ(store->Stats().active_read_leases, 0u);
+}
+
+// ------------------------------------------------------------- lease claims
+
+// Begins a write of blocks [first, first + n) of a fresh chain and returns
+// its id (0 on failure).
+uint64_t BeginChainWrite(Store* store, int first, int n) {
+  std::vector<BlockRef> refs;
+  for (int i = first; i < first + n; ++i) refs.push_back({Key(i), ""});
+  auto begin = store->BeginWrite("ns", refs, absl::Seconds(10));
+  EXPECT_TRUE(begin.ok()) << begin.status();
+  return begin.ok() ? begin->write_id : 0;
+}
+
+TEST(LeaseClaimTest, AWriteClaimDroppedWithoutCommitAbortsAndFreesItsPages) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  const uint64_t write_id = BeginChainWrite(store.get(), 0, 3);
+  {
+    WriteClaim claim(store.get(), write_id);
+    EXPECT_TRUE(claim.held());
+    EXPECT_EQ(claim.id(), write_id);
+    EXPECT_GT(store->Stats().reserved_bytes, 0u);
+  }
+  StoreStats s = store->Stats();
+  EXPECT_EQ(s.reserved_bytes, 0u);
+  EXPECT_EQ(s.active_write_leases, 0u);
+  EXPECT_EQ(store->AbortWrite(write_id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(s.expired_leases, 0u) << "aborted, not expired";
+}
+
+TEST(LeaseClaimTest, AMovedWriteClaimEndsOnceAndItsSourceDoesNothing) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  const uint64_t write_id = BeginChainWrite(store.get(), 0, 1);
+  std::vector<uint16_t> data = RandomBlock(SmallShape(), 0);
+  const Store::Payload payload{
+      0, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(data.data()),
+                             data.size() * 2)};
+  WriteClaim committer;
+  {
+    WriteClaim first(store.get(), write_id);
+    committer = std::move(first);
+    EXPECT_FALSE(first.held());
+    EXPECT_EQ(first.id(), 0u);
+    EXPECT_EQ(first.Abort().code(), absl::StatusCode::kFailedPrecondition);
+  }  // `first` goes: the lease it handed over stays open
+  EXPECT_EQ(store->Stats().active_write_leases, 1u);
+  auto committed = committer.Commit({&payload, 1});
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->stored, 1u);
+  EXPECT_FALSE(committer.held()) << "a commit ends the claim";
+  EXPECT_EQ(committer.Commit({}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->Stats().active_write_leases, 0u);
+  EXPECT_EQ(store->Lookup("ns", Keys(0, 1), false, absl::ZeroDuration())
+                ->prefix_blocks,
+            1u);
+}
+
+TEST(LeaseClaimTest, AssigningOverAWriteClaimAbortsTheWriteItHeld) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  WriteClaim claim(store.get(), BeginChainWrite(store.get(), 0, 2));
+  const uint64_t second = BeginChainWrite(store.get(), 10, 2);
+  EXPECT_EQ(store->Stats().active_write_leases, 2u);
+  claim = WriteClaim(store.get(), second);
+  EXPECT_EQ(store->Stats().active_write_leases, 1u);
+  EXPECT_EQ(claim.id(), second);
+  EXPECT_TRUE(claim.Abort().ok());
+  EXPECT_EQ(claim.Abort().code(), absl::StatusCode::kFailedPrecondition);
+  StoreStats s = store->Stats();
+  EXPECT_EQ(s.active_write_leases, 0u);
+  EXPECT_EQ(s.reserved_bytes, 0u);
+}
+
+TEST(LeaseClaimTest, AReleasedWriteClaimLeavesTheLeaseToItsTtl) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  const uint64_t write_id = BeginChainWrite(store.get(), 0, 2);
+  {
+    WriteClaim claim(store.get(), write_id);
+    EXPECT_EQ(claim.Release(), write_id);
+    EXPECT_FALSE(claim.held());
+  }
+  EXPECT_EQ(store->Stats().active_write_leases, 1u);
+  EXPECT_EQ(store->ExpireLeases(absl::Now() + absl::Minutes(1)), 1);
+  EXPECT_EQ(store->Stats().reserved_bytes, 0u);
+}
+
+TEST(LeaseClaimTest, AReadClaimDroppedEndsTheLeaseAndItsPins) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 2).ok());
+  auto read = store->BeginRead("ns", Keys(0, 2),
+                               Leased(ReadFormat::kRaw, absl::Seconds(30)));
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_GT(read->deadline, absl::Now());
+  EXPECT_LE(read->deadline, absl::Now() + absl::Seconds(30));
+  {
+    ReadClaim claim(store.get(), read->lease_id);
+    ReadClaim moved = std::move(claim);
+    EXPECT_FALSE(claim.held());
+    EXPECT_EQ(claim.End().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(store->Stats().active_read_leases, 1u);
+    EXPECT_GT(store->Stats().pinned_bytes, 0u);
+  }
+  StoreStats s = store->Stats();
+  EXPECT_EQ(s.active_read_leases, 0u);
+  EXPECT_EQ(s.pinned_bytes, 0u);
+  EXPECT_EQ(store->EndLease(read->lease_id).code(),
+            absl::StatusCode::kNotFound);
+}
+
+// A held read claim outlives the lease's TTL; End (or dropping it) ends it,
+// and a claim whose lease has gone answers NOT_FOUND.
+TEST(LeaseClaimTest, AHeldReadClaimEndsOnlyByItsClaim) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 2).ok());
+  auto held = store->BeginRead("ns", Keys(0, 1),
+                               Leased(ReadFormat::kRaw, absl::Milliseconds(1)));
+  auto other = store->BeginRead(
+      "ns", Keys(1, 1), Leased(ReadFormat::kRaw, absl::Milliseconds(1)));
+  ASSERT_TRUE(held.ok() && other.ok());
+  ReadClaim held_claim(store.get(), held->lease_id);
+  ReadClaim other_claim(store.get(), other->lease_id);
+  ASSERT_TRUE(held_claim.Hold().ok());
+  EXPECT_TRUE(held_claim.held()) << "holding keeps the claim";
+  EXPECT_EQ(store->ExpireLeases(absl::Now() + absl::Seconds(1)), 1);
+  EXPECT_EQ(other_claim.Hold().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(other_claim.End().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->Stats().active_read_leases, 1u);
+  EXPECT_TRUE(held_claim.End().ok());
+  EXPECT_EQ(store->Stats().active_read_leases, 0u);
+  EXPECT_EQ(store->Stats().pinned_bytes, 0u);
+}
+
+TEST(LeaseClaimTest, AReleasedReadClaimLeavesThePinToABeginReadThatTakesIt) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 2).ok());
+  auto pin = store->Lookup("ns", Keys(0, 2), true, absl::Seconds(30));
+  ASSERT_TRUE(pin.ok() && pin->lease_id != 0);
+  ReadOptions options = Copy(ReadFormat::kRaw);
+  {
+    ReadClaim claim(store.get(), pin->lease_id);
+    options.pin_lease_id = claim.Release();
+  }
+  EXPECT_EQ(store->Stats().active_read_leases, 1u);
+  auto read = store->BeginRead("ns", Keys(0, 2), options);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->blocks.size(), 2u);
+  EXPECT_EQ(store->Stats().active_read_leases, 0u);
+  EXPECT_EQ(store->Stats().pinned_bytes, 0u);
 }
 
 TEST(StoreTest, CorruptPayloadOrHeaderIsDataLossAndDropsTheBlock) {
