@@ -1,6 +1,7 @@
 #include "service/kvcache_service.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -8,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "proto/convert.h"
+#include "store/lease_claim.h"
 
 namespace kvcache::service {
 namespace {
@@ -49,6 +51,17 @@ std::vector<std::string> Keys(
 }
 
 absl::Duration Millis(uint32_t ms) { return absl::Milliseconds(ms); }
+
+// The store's options for a BeginRead request, with no lease kept.
+store::ReadOptions ReadOptionsFromProto(const v1::BeginReadRequest& request,
+                                        store::ReadFormat format) {
+  store::ReadOptions options;
+  options.format = format;
+  options.ttl = Millis(request.lease_ttl_ms());
+  options.pin_lease_id = request.pin_lease_id();
+  options.allow_missing = request.allow_missing();
+  return options;
+}
 
 // The parts of a read's answer that do not depend on the blocks' bytes:
 // the missing keys and the namespace's layout and policy.
@@ -213,13 +226,11 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginWrite(
                            Millis(request->lease_ttl_ms()));
     if (!r.ok()) return r.status();
     if (request->use_data_plane() && data_plane_ != nullptr) {
-      // Staging for the blocks that will travel; none: no write at all.
+      // Staging for the blocks that will travel; none: no write at all (the
+      // session's claim aborts the store write).
       absl::StatusOr<ucx::Token> token =
-          data_plane_->OpenWrite(*r, r->deadline);
-      if (!token.ok()) {
-        store_->AbortWrite(r->write_id).IgnoreError();
-        return token.status();
-      }
+          data_plane_->OpenWrite(store::WriteClaim(store_, r->write_id), *r);
+      if (!token.ok()) return token.status();
       DescribeDataPlane(*data_plane_, *token, response->mutable_data_plane());
       response->mutable_data_plane()->set_pull_writes(true);
     }
@@ -244,7 +255,7 @@ absl::Status KvCacheServiceImpl::CommitInline(
     bytes += p.fp16().size();
   }
   absl::StatusOr<store::CommitResult> r =
-      store_->CommitWrite(request->write_id(), payloads);
+      store::WriteClaim(store_, request->write_id()).Commit(payloads);
   if (!r.ok()) return r.status();
   metrics_->RecordTransfer("in", "grpc", bytes);
   response->set_blocks_stored(r->stored);
@@ -283,7 +294,9 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::CommitWrite(
     return reactor;
   }
   if (data_plane_ != nullptr) {
-    data_plane_->Abort(request->write_id());  // inline bytes replace staging
+    // Inline bytes replace staging: the session goes, and its lease returns
+    // to the table for the inline commit to claim.
+    data_plane_->TakeWrite(request->write_id()).Release();
   }
   return Run(ctx, "commit_write", true,
              [=]() -> absl::Status { return CommitInline(request, response); });
@@ -293,8 +306,10 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::AbortWrite(
     grpc::CallbackServerContext* ctx, const v1::AbortWriteRequest* request,
     v1::AbortWriteResponse* response) {
   return Run(ctx, "abort_write", false, [=]() -> absl::Status {
-    if (data_plane_ != nullptr) data_plane_->Abort(request->write_id());
-    return store_->AbortWrite(request->write_id());
+    store::WriteClaim claim =
+        data_plane_ != nullptr ? data_plane_->TakeWrite(request->write_id())
+                               : store::WriteClaim(store_, request->write_id());
+    return claim.Abort();
   });
 }
 
@@ -312,15 +327,17 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   absl::StatusOr<ucx::StagingReservation> reservation =
       data_plane_->ReserveStaging(per_block * request->keys_size());
   if (!reservation.ok()) return reservation.status();
+  store::ReadOptions options = ReadOptionsFromProto(*request, format);
+  options.keep_lease = true;
+  options.in_place = true;
   absl::StatusOr<store::ReadResult> r = store_->BeginRead(
-      request->namespace_name(), Keys(request->keys()), format,
-      Millis(request->lease_ttl_ms()), request->pin_lease_id(),
-      /*keep_lease=*/true, request->allow_missing(), /*in_place=*/true);
+      request->namespace_name(), Keys(request->keys()), options);
   if (!r.ok()) return r.status();
+  store::ReadClaim claim(store_, r->lease_id);
   DescribeRead(*r, response);
   if (r->blocks.empty()) {
-    // Nothing to move (every key missing): no data-plane session.
-    store_->EndLease(r->lease_id).IgnoreError();
+    // Nothing to move (every key missing): no data-plane session, and the
+    // claim ends the lease.
     return absl::OkStatus();
   }
   // Blocks read in place are put from the pinned arena pages: only copies
@@ -339,15 +356,11 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
     out->set_length(block.size());
     for (uint64_t end : ends[i]) out->add_layer_end_offsets(end);
   }
-  const uint64_t lease_id = r->lease_id;
-  response->set_read_id(lease_id);
+  response->set_read_id(r->lease_id);
+  // The session takes the claim; on an error it has ended the lease.
   absl::StatusOr<ucx::Token> token = data_plane_->OpenRead(
-      *std::move(r), std::move(ends), std::move(held),
-      data_plane_->LeaseDeadline(request->lease_ttl_ms()));
-  if (!token.ok()) {
-    store_->EndLease(lease_id).IgnoreError();
-    return token.status();
-  }
+      std::move(claim), *std::move(r), std::move(ends), std::move(held));
+  if (!token.ok()) return token.status();
   DescribeDataPlane(*data_plane_, *token, response->mutable_data_plane());
   response->mutable_data_plane()->set_bounded_reads(true);
   response->mutable_data_plane()->set_message_reads(true);
@@ -365,10 +378,9 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
     if (!request->inline_data() && data_plane_ != nullptr) {
       return BeginDataPlaneRead(request, format, response);
     }
-    absl::StatusOr<store::ReadResult> r = store_->BeginRead(
-        request->namespace_name(), Keys(request->keys()), format,
-        Millis(request->lease_ttl_ms()), request->pin_lease_id(),
-        /*keep_lease=*/false, request->allow_missing());
+    absl::StatusOr<store::ReadResult> r =
+        store_->BeginRead(request->namespace_name(), Keys(request->keys()),
+                          ReadOptionsFromProto(*request, format));
     if (!r.ok()) return r.status();
     DescribeRead(*r, response);
     uint64_t bytes = 0;
@@ -391,10 +403,13 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::EndRead(
     grpc::CallbackServerContext* ctx, const v1::EndReadRequest* request,
     v1::EndReadResponse* response) {
   return Run(ctx, "end_read", false, [=]() -> absl::Status {
-    if (data_plane_ != nullptr && data_plane_->EndRead(request->lease_id())) {
+    std::optional<store::ReadClaim> claim =
+        data_plane_ != nullptr ? data_plane_->EndRead(request->lease_id())
+                               : store::ReadClaim(store_, request->lease_id());
+    if (!claim.has_value()) {
       return absl::OkStatus();  // the transfer's end ends the lease
     }
-    return store_->EndLease(request->lease_id());
+    return claim->End();
   });
 }
 

@@ -36,12 +36,9 @@ absl::Status Node::Start() {
                     : static_cast<int>(std::thread::hardware_concurrency());
   workers_ = std::make_unique<ThreadPool>(threads);
   if (options_.data_plane == DataPlaneMode::kUcx) {
-    ucx::DataPlaneOptions ucx_options = options_.ucx;
-    ucx_options.default_lease_ttl = options_.store.default_lease_ttl;
-    ucx_options.max_lease_ttl = options_.store.max_lease_ttl;
     absl::StatusOr<std::unique_ptr<ucx::DataPlane>> plane =
         ucx::DataPlane::Start(
-            ucx_options, store_.get(),
+            options_.ucx, store_.get(),
             [pool = workers_.get()](std::function<void()> work) {
               pool->Schedule(std::move(work));
             },

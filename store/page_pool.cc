@@ -16,8 +16,17 @@ PagePool::PagePool(Arena* arena, uint64_t offset, uint64_t bytes,
   for (uint32_t i = num_pages_; i > 0; --i) free_.push_back(i - 1);
 }
 
-bool PagePool::Allocate(uint32_t count, PageList* out) {
-  if (count == 0 || count > free_.size()) return false;
+uint32_t PagePool::free_pages() const {
+  MutexLock lock(&mu_);
+  return static_cast<uint32_t>(free_.size());
+}
+
+bool PagePool::Allocate(uint32_t count, PageList* out, uint32_t* free_left) {
+  MutexLock lock(&mu_);
+  if (count == 0 || count > free_.size()) {
+    if (free_left != nullptr) *free_left = static_cast<uint32_t>(free_.size());
+    return false;
+  }
   // Pop `count` pages; link them in pop order (ascending on a fresh pool).
   uint32_t first = free_.back();
   uint32_t prev = first;
@@ -29,10 +38,12 @@ bool PagePool::Allocate(uint32_t count, PageList* out) {
     prev = page;
   }
   *out = {first, count};
+  if (free_left != nullptr) *free_left = static_cast<uint32_t>(free_.size());
   return true;
 }
 
 void PagePool::Release(const PageList& pages) {
+  MutexLock lock(&mu_);
   // Push in reverse list order, so a re-allocation pops them in list order.
   uint32_t stack_top = static_cast<uint32_t>(free_.size());
   uint32_t page = pages.first;

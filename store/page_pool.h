@@ -10,9 +10,13 @@
 // fragmentation, which the store accounts for. Allocation and release cost
 // O(1) per page; a fresh pool hands out ascending runs, which copy in one go.
 //
-// Thread safety: Allocate and Release need external serialization (the
-// Store's pool mutex). Scatter and Gather may run concurrently on pages that
-// the caller owns.
+// Thread safety: the allocator (Allocate, Release, free_pages) takes the
+// pool's own mutex, which guards the free stack. The copies (Scatter,
+// Gather, ForEachRun, SingleRunOffset) take no mutex and may run
+// concurrently on pages that the caller owns: a page's link changes only in
+// Allocate, while the page passes from the free stack to its new owner,
+// and the mutex (and whatever hands the pages on) orders that write before
+// the owner's reads.
 #ifndef KVCACHE_STORE_PAGE_POOL_H_
 #define KVCACHE_STORE_PAGE_POOL_H_
 
@@ -21,8 +25,10 @@
 #include <optional>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "base/mutex.h"
 #include "store/arena.h"
 
 namespace kvcache::store {
@@ -38,9 +44,10 @@ class PagePool {
   // Pages cover [offset, offset + bytes) of the arena.
   PagePool(Arena* arena, uint64_t offset, uint64_t bytes, uint32_t page_size);
 
+  // The layout is fixed at construction and read without the mutex.
   uint32_t page_size() const { return page_size_; }
   uint32_t num_pages() const { return num_pages_; }
-  uint32_t free_pages() const { return static_cast<uint32_t>(free_.size()); }
+  uint32_t free_pages() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t capacity_bytes() const {
     return static_cast<uint64_t>(num_pages_) * page_size_;
   }
@@ -49,9 +56,11 @@ class PagePool {
   }
 
   // Takes `count` (> 0) pages into *out and returns true, or returns false
-  // and changes nothing.
-  bool Allocate(uint32_t count, PageList* out);
-  void Release(const PageList& pages);
+  // and changes nothing; *free_left (when given) is the number of free
+  // pages after the call.
+  bool Allocate(uint32_t count, PageList* out, uint32_t* free_left = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void Release(const PageList& pages) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Arena offset of a page's first byte.
   uint64_t PageOffset(uint32_t page) const {
@@ -105,8 +114,12 @@ class PagePool {
   uint64_t offset_;
   uint32_t page_size_;
   uint32_t num_pages_;
-  std::vector<uint32_t> free_;  // a stack: the most recently freed on top
-  std::vector<uint32_t> next_;  // next page of the same owner
+  mutable Mutex mu_;
+  // A stack: the most recently freed on top.
+  std::vector<uint32_t> free_ ABSL_GUARDED_BY(mu_);
+  // Next page of the same owner; written by Allocate under mu_ (see the
+  // thread-safety note above).
+  std::vector<uint32_t> next_;
 };
 
 }  // namespace kvcache::store

@@ -350,17 +350,14 @@ absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config) {
   const uint32_t tokens = info.config.shape.tokens_per_block;
   ns->window_blocks = (info.config.residual_tokens + tokens - 1) / tokens;
   ns->residual_policy.codec = Codec::kNone;
-  {
-    MutexLock pool_lock(&pool_mu_);
-    ns->pages_per_block = pool_.PagesFor(info.encoded_block_bytes);
-    ns->pages_per_residual_block = pool_.PagesFor(info.fp16_block_bytes);
-    uint32_t largest = ns->window_blocks > 0 ? ns->pages_per_residual_block
-                                             : ns->pages_per_block;
-    if (largest > pool_.num_pages()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "one block of this layout (", largest, " pages of ",
-          pool_.page_size(), " bytes) is larger than the whole pool"));
-    }
+  ns->pages_per_block = pool_.PagesFor(info.encoded_block_bytes);
+  ns->pages_per_residual_block = pool_.PagesFor(info.fp16_block_bytes);
+  uint32_t largest = ns->window_blocks > 0 ? ns->pages_per_residual_block
+                                           : ns->pages_per_block;
+  if (largest > pool_.num_pages()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "one block of this layout (", largest, " pages of ", pool_.page_size(),
+        " bytes) is larger than the whole pool"));
   }
   namespaces_[num_namespaces_++] = std::move(ns);
   return info;
@@ -391,14 +388,19 @@ Store::Namespace* Store::NamespaceById(uint16_t id) const {
 
 // ------------------------------------------------------------ shard helpers
 
-Store::Entry* Store::Find(Shard& shard, const KeyRef& ref) {
+// Each requires the shard's mutex (declared in store.h, where Shard is
+// incomplete, so the requirement is stated on these definitions; every
+// caller comes after them).
+Store::Entry* Store::Find(Shard& shard, const KeyRef& ref)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
   auto it = shard.index.find(ref);
   return it == shard.index.end() ? nullptr : *it;
 }
 
 void Store::Touch(Entry* entry) { entry->last_access = ++tick_; }
 
-void Store::UpdateEvictable(Shard& shard, Entry* entry) {
+void Store::UpdateEvictable(Shard& shard, Entry* entry)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
   bool should =
       !entry->is(kRemoved) && entry->pins == 0 && entry->children == 0;
   if (should == entry->is(kEvictable)) return;
@@ -413,7 +415,8 @@ void Store::UpdateEvictable(Shard& shard, Entry* entry) {
   entry->set(kEvictable, should);
 }
 
-void Store::Pin(Shard& shard, Entry* entry) {
+void Store::Pin(Shard& shard, Entry* entry)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
   if (entry->pins++ == 0) pinned_pages_ += entry->pages.count;
   UpdateEvictable(shard, entry);
 }
@@ -442,13 +445,15 @@ void Store::AccountAdd(const Entry& entry, int sign) {
   if (residual) add(ns->residual_blocks, 1);
 }
 
-void Store::MaybeFree(Shard& shard, Entry* entry) {
+void Store::MaybeFree(Shard& shard, Entry* entry)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
   if (entry->is(kRemoved) && entry->pins == 0 && entry->children == 0) {
     shard.FreeEntry(entry);
   }
 }
 
-Store::Entry* Store::RemoveEntry(Shard& shard, Entry* entry) {
+Store::Entry* Store::RemoveEntry(Shard& shard, Entry* entry)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
   if (entry->is(kEvictable)) {
     shard.lru.erase({entry->lru_tick, entry});
     shard.evictable_pages -= entry->pages.count;
@@ -467,7 +472,8 @@ Store::Entry* Store::RemoveEntry(Shard& shard, Entry* entry) {
   return parent;
 }
 
-void Store::Unpin(Shard& shard, Entry* entry) {
+void Store::Unpin(Shard& shard, Entry* entry)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
   if (--entry->pins > 0) return;
   pinned_pages_ -= entry->pages.count;
   if (entry->is(kRemoved)) {
@@ -504,7 +510,6 @@ void Store::UnpinAll(const std::vector<Entry*>& entries) {
 
 void Store::ReleasePages(const PageList& pages) {
   if (pages.count == 0) return;
-  MutexLock lock(&pool_mu_);
   pool_.Release(pages);
 }
 
@@ -539,12 +544,8 @@ bool Store::EvictOne(std::atomic<uint64_t>* counter) {
 
 bool Store::ReservePages(uint32_t count, PageList* pages) {
   while (true) {
-    uint64_t free_pages;
-    {
-      MutexLock lock(&pool_mu_);
-      if (pool_.Allocate(count, pages)) return true;
-      free_pages = pool_.free_pages();
-    }
+    uint32_t free_pages;
+    if (pool_.Allocate(count, pages, &free_pages)) return true;
     // Refuse before evicting anything when even every unpinned block could
     // not make room. (Only leaves are evictable, but evicting a leaf makes
     // its parent one, so every unpinned block without pinned descendants
@@ -733,11 +734,7 @@ absl::StatusOr<BeginWriteResult> Store::BeginWrite(const std::string& ns_name,
                                  ? ns->pages_per_residual_block
                                  : ns->pages_per_block;
   const uint64_t needed = uint64_t{missing} * per_block;
-  uint32_t total_pages;
-  {
-    MutexLock lock(&pool_mu_);
-    total_pages = pool_.num_pages();
-  }
+  const uint32_t total_pages = pool_.num_pages();
   if (needed > total_pages) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "%u blocks need %u pages; the whole pool has %u: split the write",
@@ -1154,31 +1151,15 @@ bool Store::Reencode(const ReencodeJob& job) {
 
 // --------------------------------------------------------------------- read
 
-absl::StatusOr<ReadResult> Store::BeginRead(
-    const std::string& ns_name, absl::Span<const std::string> keys,
-    ReadFormat format, absl::Duration ttl, uint64_t pin_lease_id,
-    bool keep_lease, bool allow_missing, bool in_place) {
-  if (absl::Status s = ValidateKeys(keys, options_.max_blocks_per_request);
-      !s.ok()) {
-    return s;
-  }
-  absl::StatusOr<Namespace*> found_ns = FindNamespace(ns_name);
-  if (!found_ns.ok()) return found_ns.status();
-  Namespace* ns = *found_ns;
-  if (pin_lease_id != 0) {
-    MutexLock lock(&lease_mu_);
-    if (!read_leases_.contains(pin_lease_id)) {
-      return absl::FailedPreconditionError(
-          "pin lease is unknown or has expired");
-    }
-  }
-  ReadResult result;
-  std::vector<Entry*> entries;
-  std::vector<uint32_t> positions;  // of entries[j] in keys
-  entries.reserve(keys.size());
-  positions.reserve(keys.size());
+absl::Status Store::PinForRead(const Namespace& ns,
+                               absl::Span<const std::string> keys,
+                               bool allow_missing, std::vector<Entry*>* entries,
+                               std::vector<uint32_t>* positions,
+                               std::vector<uint32_t>* missing) {
+  entries->reserve(keys.size());
+  positions->reserve(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
-    KeyRef ref = MakeKeyRef(ns->id, keys[i]);
+    KeyRef ref = MakeKeyRef(ns.id, keys[i]);
     Shard& shard = ShardOf(ref);
     Entry* entry;
     {
@@ -1191,77 +1172,122 @@ absl::StatusOr<ReadResult> Store::BeginRead(
     }
     if (entry == nullptr) {
       if (allow_missing) {
-        result.missing.push_back(static_cast<uint32_t>(i));
+        missing->push_back(static_cast<uint32_t>(i));
         continue;
       }
-      UnpinAll(entries);
+      UnpinAll(*entries);
+      entries->clear();
       return absl::NotFoundError(absl::StrCat("block ", i, " is not stored"));
     }
-    entries.push_back(entry);
-    positions.push_back(static_cast<uint32_t>(i));
+    entries->push_back(entry);
+    positions->push_back(static_cast<uint32_t>(i));
   }
-  if (pin_lease_id != 0) ReleaseReadLease(pin_lease_id);
+  return absl::OkStatus();
+}
+
+absl::Status Store::ReadPinnedBlock(const Namespace& ns, const Entry& entry,
+                                    const ReadOptions& options,
+                                    std::vector<uint8_t>* stored,
+                                    ReadBlock* block, absl::Status* verified) {
+  // Pinned pages are immutable and never reused, so they are read unlocked.
+  const kernels::BlockShape& shape = ns.info.config.shape;
+  const bool residual = entry.is(kResidual);
+  const kernels::CodecPolicy& policy =
+      residual ? ns.residual_policy : ns.info.config.policy;
+  const size_t payload_bytes =
+      residual ? ns.info.fp16_block_bytes : ns.info.encoded_block_bytes;
+  block->codec = policy.codec;
+  // In place (see the header): verified where it lies, one pass over the
+  // pages (the checksum) and no copy; the pin keeps the pages as they are
+  // until the lease ends. Otherwise a raw read gathers straight into the
+  // reply and an fp16 read gathers into scratch and decodes into the
+  // reply: one copy of the pages either way.
+  const uint8_t* base = arena_->host_base();
+  const bool here = options.in_place && options.keep_lease && base != nullptr &&
+                    (options.format == ReadFormat::kRaw ||
+                     policy.codec == kernels::Codec::kNone);
+  BlockHeader header;
+  absl::Status status;
+  if (here) {
+    XXH3_state_t hash_state;
+    XXH3_64bits_reset(&hash_state);
+    status = pool_.ForEachRun(
+        entry.pages, payload_bytes, [&](uint64_t offset, size_t, size_t n) {
+          block->spans.emplace_back(base + offset, n);
+          XXH3_64bits_update(&hash_state, base + offset, n);
+          return absl::OkStatus();
+        });
+    if (status.ok()) status = ReadHeader(entry.pages.first, &header);
+    if (!status.ok()) return status;
+    *verified = VerifyBlockMetadata(header, shape, policy, ns.info.fingerprint,
+                                    block->key, block->size(),
+                                    XXH3_64bits_digest(&hash_state));
+    return absl::OkStatus();
+  }
+  absl::Span<uint8_t> payload;
+  if (options.format == ReadFormat::kRaw) {
+    block->data.resize(payload_bytes);
+    payload = absl::MakeSpan(reinterpret_cast<uint8_t*>(block->data.data()),
+                             payload_bytes);
+  } else {
+    stored->resize(payload_bytes);
+    payload = absl::MakeSpan(*stored);
+  }
+  status = pool_.Gather(entry.pages, payload);
+  if (status.ok()) status = ReadHeader(entry.pages.first, &header);
+  if (!status.ok()) return status;
+  *verified = VerifyBlock(header, shape, policy, ns.info.fingerprint,
+                          block->key, payload);
+  if (!verified->ok() || options.format != ReadFormat::kFp16) {
+    return absl::OkStatus();
+  }
+  block->data.resize(ns.info.fp16_block_bytes);
+  return kernels::DecodeBlock(
+      shape, policy, *stored,
+      absl::MakeSpan(reinterpret_cast<uint16_t*>(block->data.data()),
+                     block->data.size() / 2));
+}
+
+absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
+                                            absl::Span<const std::string> keys,
+                                            const ReadOptions& options) {
+  if (absl::Status s = ValidateKeys(keys, options_.max_blocks_per_request);
+      !s.ok()) {
+    return s;
+  }
+  absl::StatusOr<Namespace*> found_ns = FindNamespace(ns_name);
+  if (!found_ns.ok()) return found_ns.status();
+  Namespace* ns = *found_ns;
+  if (options.pin_lease_id != 0) {
+    MutexLock lock(&lease_mu_);
+    if (!read_leases_.contains(options.pin_lease_id)) {
+      return absl::FailedPreconditionError(
+          "pin lease is unknown or has expired");
+    }
+  }
+  ReadResult result;
+  std::vector<Entry*> entries;
+  std::vector<uint32_t> positions;  // of entries[j] in keys
+  if (absl::Status s = PinForRead(*ns, keys, options.allow_missing, &entries,
+                                  &positions, &result.missing);
+      !s.ok()) {
+    return s;
+  }
+  if (options.pin_lease_id != 0) ReleaseReadLease(options.pin_lease_id);
 
   result.ns = ns->info;
-  // Pinned pages are immutable and never reused, so they are read unlocked.
-  const kernels::BlockShape& shape = ns->info.config.shape;
   std::vector<uint8_t> stored;
   absl::Status status;
   for (size_t j = 0; j < entries.size() && status.ok(); ++j) {
     Entry* entry = entries[j];
-    const std::string& key = keys[positions[j]];
-    const bool residual = entry->is(kResidual);
-    const kernels::CodecPolicy& policy =
-        residual ? ns->residual_policy : ns->info.config.policy;
-    const size_t payload_bytes =
-        residual ? ns->info.fp16_block_bytes : ns->info.encoded_block_bytes;
     ReadBlock block;
-    block.key = key;
-    block.codec = policy.codec;
-    // In place (see the header): verified where it lies, one pass over the
-    // pages (the checksum) and no copy; the pin keeps the pages as they are
-    // until the lease ends. Otherwise a raw read gathers straight into the
-    // reply and an fp16 read gathers into scratch and decodes into the
-    // reply: one copy of the pages either way.
-    const uint8_t* base = arena_->host_base();
-    const bool here =
-        in_place && keep_lease && base != nullptr &&
-        (format == ReadFormat::kRaw || policy.codec == kernels::Codec::kNone);
-    BlockHeader header;
+    block.key = keys[positions[j]];
     absl::Status verified;
-    if (here) {
-      XXH3_state_t hash_state;
-      XXH3_64bits_reset(&hash_state);
-      status = pool_.ForEachRun(
-          entry->pages, payload_bytes, [&](uint64_t offset, size_t, size_t n) {
-            block.spans.emplace_back(base + offset, n);
-            XXH3_64bits_update(&hash_state, base + offset, n);
-            return absl::OkStatus();
-          });
-      if (status.ok()) status = ReadHeader(entry->pages.first, &header);
-      if (!status.ok()) break;
-      verified =
-          VerifyBlockMetadata(header, shape, policy, ns->info.fingerprint, key,
-                              block.size(), XXH3_64bits_digest(&hash_state));
-    } else {
-      absl::Span<uint8_t> payload;
-      if (format == ReadFormat::kRaw) {
-        block.data.resize(payload_bytes);
-        payload = absl::MakeSpan(reinterpret_cast<uint8_t*>(block.data.data()),
-                                 payload_bytes);
-      } else {
-        stored.resize(payload_bytes);
-        payload = absl::MakeSpan(stored);
-      }
-      status = pool_.Gather(entry->pages, payload);
-      if (status.ok()) status = ReadHeader(entry->pages.first, &header);
-      if (!status.ok()) break;
-      verified = VerifyBlock(header, shape, policy, ns->info.fingerprint, key,
-                             payload);
-    }
+    status = ReadPinnedBlock(*ns, *entry, options, &stored, &block, &verified);
+    if (!status.ok()) break;
     if (!verified.ok()) {
       DropCorrupt(entry);
-      if (!allow_missing) {
+      if (!options.allow_missing) {
         status = absl::DataLossError(absl::StrCat("block ", positions[j], ": ",
                                                   verified.message(),
                                                   "; the block was dropped"));
@@ -1277,28 +1303,21 @@ absl::StatusOr<ReadResult> Store::BeginRead(
       result.missing.push_back(positions[j]);
       continue;
     }
-    if (!here && format == ReadFormat::kFp16) {
-      block.data.resize(ns->info.fp16_block_bytes);
-      status = kernels::DecodeBlock(
-          shape, policy, stored,
-          absl::MakeSpan(reinterpret_cast<uint16_t*>(block.data.data()),
-                         block.data.size() / 2));
-      if (!status.ok()) break;
-    }
     result.blocks.push_back(std::move(block));
   }
   entries.erase(std::remove(entries.begin(), entries.end(), nullptr),
                 entries.end());
   std::sort(result.missing.begin(), result.missing.end());
 
-  if (!status.ok() || !keep_lease) {
+  if (!status.ok() || !options.keep_lease) {
     UnpinAll(entries);
     if (!status.ok()) return status;
     return result;
   }
   auto lease = std::make_unique<ReadLease>();
   lease->entries = std::move(entries);
-  lease->deadline = LeaseDeadline(ttl);
+  lease->deadline = LeaseDeadline(options.ttl);
+  result.deadline = lease->deadline;
   MutexLock lock(&lease_mu_);
   result.lease_id = NewLeaseId();
   read_leases_.emplace(result.lease_id, std::move(lease));
@@ -1338,11 +1357,7 @@ absl::StatusOr<uint32_t> Store::Delete(const std::string& ns_name,
 int Store::RunMaintenance(absl::Time now) {
   ExpireLeases(now);
   if (options_.high_watermark < 1.0) {
-    uint64_t total;
-    {
-      MutexLock lock(&pool_mu_);
-      total = pool_.num_pages();
-    }
+    const uint64_t total = pool_.num_pages();
     const double high = options_.high_watermark * total;
     const double low = options_.low_watermark * total;
     if (static_cast<double>(used_pages_ + reserved_pages_) > high) {
@@ -1374,12 +1389,8 @@ int Store::RunMaintenance(absl::Time now) {
 StoreStats Store::Stats() const {
   StoreStats s;
   const uint64_t page = options_.page_size;
-  uint64_t free_pages;
-  {
-    MutexLock lock(&pool_mu_);
-    s.capacity_bytes = pool_.capacity_bytes();
-    free_pages = pool_.free_pages();
-  }
+  s.capacity_bytes = pool_.capacity_bytes();
+  const uint64_t free_pages = pool_.free_pages();
   s.page_size = options_.page_size;
   s.used_bytes = used_pages_ * page;
   s.reserved_bytes = reserved_pages_ * page;

@@ -24,6 +24,12 @@
 //    and payload checksum; a failure answers DATA_LOSS, drops the block and
 //    counts it.
 //
+// Leases: the lease table owns every open lease between calls (their ids
+// cross the wire); code that works on one takes it out as a WriteClaim or
+// ReadClaim (store/lease_claim.h), which ends it unless handed on. The TTL
+// of every lease is clamped here (StoreOptions) and nowhere else: callers
+// that bound a session by its lease take the deadline from the result.
+//
 // Concurrency: the index is split into shards by key hash, each with its own
 // mutex, hash set, entry slab and LRU order; the page pool, the leases and
 // the namespaces have one mutex each. No thread holds two shard mutexes at
@@ -137,7 +143,7 @@ struct ReadBlock {
   // block in KIVI's residual window (then a raw read is plain fp16).
   kernels::Codec codec = kernels::Codec::kNone;
   std::string data;  // fp16 (little-endian half) or the raw encoding
-  // Read in place (BeginRead with in_place): the bytes where they lie in the
+  // Read in place (ReadOptions::in_place): the bytes where they lie in the
   // arena, in order, and `data` is empty. Valid until the read lease ends:
   // pinned pages are neither reused nor rewritten.
   std::vector<absl::Span<const uint8_t>> spans;
@@ -149,8 +155,24 @@ struct ReadBlock {
   }
 };
 
+// How BeginRead reads (see there).
+struct ReadOptions {
+  ReadFormat format = ReadFormat::kFp16;
+  // The lease's TTL with keep_lease (<= 0: StoreOptions::default_lease_ttl;
+  // at most max_lease_ttl).
+  absl::Duration ttl = absl::ZeroDuration();
+  // A Lookup pin (or read lease) that this read takes over and ends; 0: none.
+  uint64_t pin_lease_id = 0;
+  bool keep_lease = false;
+  bool allow_missing = false;
+  bool in_place = false;
+};
+
 struct ReadResult {
   uint64_t lease_id = 0;  // 0 when the read was completed inline
+  // With keep_lease: when the store's TTL ends the lease (unless it is held,
+  // see HoldReadLease).
+  absl::Time deadline;
   // In the order of the keys asked for; with allow_missing, only those read.
   std::vector<ReadBlock> blocks;
   // allow_missing only: positions (ascending) of the keys not read, because
@@ -257,11 +279,14 @@ class Store {
   absl::Status StageBlock(uint64_t write_id, uint32_t index,
                           absl::Span<const uint8_t> fp16);
 
-  // Pins the blocks of `keys`, verifies and copies them out. With
-  // keep_lease == false the pins are released before returning and lease_id
-  // is 0. Without allow_missing every key must be stored (NOT_FOUND names
-  // the first missing one) and verify (DATA_LOSS drops the block and fails
-  // the read). With allow_missing the read returns the blocks that are
+  // Pins the blocks of `keys`, verifies and copies them out in
+  // options.format. A nonzero options.pin_lease_id must name a live read
+  // lease (else FAILED_PRECONDITION), which ends once the blocks are pinned.
+  // With keep_lease == false the pins are released before returning and
+  // lease_id is 0; with keep_lease they stay under a new read lease of
+  // options.ttl. Without allow_missing every key must be stored (NOT_FOUND
+  // names the first missing one) and verify (DATA_LOSS drops the block and
+  // fails the read). With allow_missing the read returns the blocks that are
   // stored and verify, and lists the others in ReadResult::missing (a block
   // that fails verification is dropped and counted as data loss all the
   // same); a lease is kept even when no block was read.
@@ -272,10 +297,7 @@ class Store {
   // spans after EndLease or the lease's TTL.
   absl::StatusOr<ReadResult> BeginRead(const std::string& ns,
                                        absl::Span<const std::string> keys,
-                                       ReadFormat format, absl::Duration ttl,
-                                       uint64_t pin_lease_id, bool keep_lease,
-                                       bool allow_missing = false,
-                                       bool in_place = false);
+                                       const ReadOptions& options);
   // Ends a read lease or a Lookup pin. NOT_FOUND for an unknown or expired id.
   absl::Status EndLease(uint64_t lease_id);
   // Hands a read lease to a holder that bounds its life itself (a data-plane
@@ -328,7 +350,8 @@ class Store {
   static KeyRef MakeKeyRef(uint16_t ns_id, absl::string_view key);
   Shard& ShardOf(const KeyRef& ref) const;
 
-  // Shard-level helpers; each requires the shard's mutex.
+  // Shard-level helpers; each requires the shard's mutex. (Annotated where
+  // they are defined, in store.cc: Shard is complete only there.)
   Entry* Find(Shard& shard, const KeyRef& ref);
   void Touch(Entry* entry);
   void UpdateEvictable(Shard& shard, Entry* entry);
@@ -352,6 +375,22 @@ class Store {
   // unpin). Takes the shard mutex.
   void DropCorrupt(Entry* entry);
   void UnpinAll(const std::vector<Entry*>& entries);
+  // BeginRead's first step: pins the stored blocks of `keys` (entries, at
+  // `positions` in keys) and lists the absent ones in `missing`; without
+  // allow_missing an absent key unpins them all and answers NOT_FOUND.
+  absl::Status PinForRead(const Namespace& ns,
+                          absl::Span<const std::string> keys,
+                          bool allow_missing, std::vector<Entry*>* entries,
+                          std::vector<uint32_t>* positions,
+                          std::vector<uint32_t>* missing);
+  // Reads one pinned block into `block` (whose key is set) as `options`
+  // asks, with `stored` as scratch. An error answers a failed copy or
+  // decode; *verified is the verification's outcome (nothing is decoded
+  // when it fails).
+  absl::Status ReadPinnedBlock(const Namespace& ns, const Entry& entry,
+                               const ReadOptions& options,
+                               std::vector<uint8_t>* stored, ReadBlock* block,
+                               absl::Status* verified);
   // Evicts the least recently used evictable block; false when none.
   bool EvictOne(std::atomic<uint64_t>* counter);
   bool ReservePages(uint32_t count, PageList* pages);
@@ -384,8 +423,9 @@ class Store {
   std::unique_ptr<std::unique_ptr<Namespace>[]> namespaces_;
   uint32_t num_namespaces_ ABSL_GUARDED_BY(ns_mu_) = 0;
 
-  mutable Mutex pool_mu_;
-  PagePool pool_ ABSL_GUARDED_BY(pool_mu_);
+  // Allocation takes the pool's own mutex; copies run lock-free on pages
+  // their caller owns.
+  PagePool pool_;
 
   std::unique_ptr<Shard[]> shards_;
 

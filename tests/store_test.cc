@@ -1,5 +1,5 @@
-// Store: visibility, accounting, prefix-aware LRU eviction, leases,
-// integrity and concurrency.
+// Store: visibility, accounting, prefix-aware LRU eviction, leases and
+// their claims, integrity and concurrency.
 #include "store/store.h"
 
 #include <atomic>
@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
 #include "store/block_header.h"
+#include "store/lease_claim.h"
 #include "tests/test_util.h"
 
 namespace kvcache::store {
@@ -72,12 +73,38 @@ std::vector<std::string> Keys(int first, int n) {
   return k;
 }
 
+// BeginRead's options: a read copied out with no lease kept ...
+ReadOptions Copy(ReadFormat format) {
+  ReadOptions o;
+  o.format = format;
+  return o;
+}
+
+// ... or one whose pins stay under a read lease of `ttl`,
+ReadOptions Leased(ReadFormat format, absl::Duration ttl) {
+  ReadOptions o = Copy(format);
+  o.ttl = ttl;
+  o.keep_lease = true;
+  return o;
+}
+
+// and the same reading what is there (ReadOptions::allow_missing) ...
+ReadOptions AllowMissing(ReadOptions o) {
+  o.allow_missing = true;
+  return o;
+}
+
+// ... or serving blocks in place (ReadOptions::in_place).
+ReadOptions InPlace(ReadOptions o) {
+  o.in_place = true;
+  return o;
+}
+
 TEST(StoreTest, RoundTripIsExactForCodecNone) {
   auto store = MakeStore(1 << 20);
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
   ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
-  auto read = store->BeginRead("ns", Keys(0, 3), ReadFormat::kFp16,
-                               absl::ZeroDuration(), 0, false);
+  auto read = store->BeginRead("ns", Keys(0, 3), Copy(ReadFormat::kFp16));
   ASSERT_TRUE(read.ok()) << read.status();
   ASSERT_EQ(read->blocks.size(), 3u);
   for (int i = 0; i < 3; ++i) {
@@ -94,10 +121,8 @@ TEST(StoreTest, RawReadMatchesTheCodecAndDecodesToTheFp16Read) {
   auto store = MakeStore(1 << 20);
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kFp8E4M3)).ok());
   ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 1).ok());
-  auto raw = store->BeginRead("ns", Keys(0, 1), ReadFormat::kRaw,
-                              absl::ZeroDuration(), 0, false);
-  auto fp16 = store->BeginRead("ns", Keys(0, 1), ReadFormat::kFp16,
-                               absl::ZeroDuration(), 0, false);
+  auto raw = store->BeginRead("ns", Keys(0, 1), Copy(ReadFormat::kRaw));
+  auto fp16 = store->BeginRead("ns", Keys(0, 1), Copy(ReadFormat::kFp16));
   ASSERT_TRUE(raw.ok() && fp16.ok());
   kernels::CodecPolicy policy;
   policy.codec = Codec::kFp8E4M3;
@@ -141,13 +166,10 @@ TEST(StoreTest, InPlaceReadsServeVerifiedPinnedPagesThatStayUntilTheLeaseEnds) {
     ASSERT_TRUE(store->Delete("filler", Keys(i, 1)).ok());
   }
   ASSERT_TRUE(WriteChain(store.get(), "ns", 200, 6).ok());
-  auto copy = store->BeginRead("ns", Keys(200, 6), ReadFormat::kRaw,
-                               absl::ZeroDuration(), 0, false);
+  auto copy = store->BeginRead("ns", Keys(200, 6), Copy(ReadFormat::kRaw));
   ASSERT_TRUE(copy.ok()) << copy.status();
-  auto in_place =
-      store->BeginRead("ns", Keys(200, 6), ReadFormat::kRaw, absl::Seconds(30),
-                       0, /*keep_lease=*/true, /*allow_missing=*/false,
-                       /*in_place=*/true);
+  auto in_place = store->BeginRead(
+      "ns", Keys(200, 6), InPlace(Leased(ReadFormat::kRaw, absl::Seconds(30))));
   ASSERT_TRUE(in_place.ok()) << in_place.status();
   ASSERT_NE(in_place->lease_id, 0u);
   size_t pieces = 0;
@@ -175,19 +197,16 @@ TEST(StoreTest, InPlaceReadsServeVerifiedPinnedPagesThatStayUntilTheLeaseEnds) {
   // without keep_lease nothing is served in place.
   ASSERT_TRUE(WriteChain(store.get(), "ns", 400, 2).ok());
   auto decoded =
-      store->BeginRead("ns", Keys(400, 2), ReadFormat::kFp16, absl::Seconds(30),
-                       0, /*keep_lease=*/true, /*allow_missing=*/false,
-                       /*in_place=*/true);
+      store->BeginRead("ns", Keys(400, 2),
+                       InPlace(Leased(ReadFormat::kFp16, absl::Seconds(30))));
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   for (const ReadBlock& block : decoded->blocks) {
     EXPECT_TRUE(block.spans.empty());
     EXPECT_EQ(block.data.size(), kernels::Fp16BlockBytes(SmallShape()));
   }
   ASSERT_TRUE(store->EndLease(decoded->lease_id).ok());
-  auto unleased = store->BeginRead(
-      "ns", Keys(400, 2), ReadFormat::kRaw, absl::ZeroDuration(), 0,
-      /*keep_lease=*/false, /*allow_missing=*/false,
-      /*in_place=*/true);
+  auto unleased =
+      store->BeginRead("ns", Keys(400, 2), InPlace(Copy(ReadFormat::kRaw)));
   ASSERT_TRUE(unleased.ok());
   EXPECT_TRUE(unleased->blocks[0].spans.empty());
   EXPECT_FALSE(unleased->blocks[0].data.empty());
@@ -198,9 +217,8 @@ TEST(StoreTest, InPlaceReadOfACorruptBlockIsDataLossAndDropsIt) {
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
   ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
   ASSERT_TRUE(store->CorruptBlockForTest("ns", Key(2)).ok());
-  auto read = store->BeginRead("ns", Keys(0, 3), ReadFormat::kFp16,
-                               absl::Seconds(30), 0, true,
-                               /*allow_missing=*/false, /*in_place=*/true);
+  auto read = store->BeginRead(
+      "ns", Keys(0, 3), InPlace(Leased(ReadFormat::kFp16, absl::Seconds(30))));
   EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss) << read.status();
   StoreStats s = store->Stats();
   EXPECT_EQ(s.data_loss_events, 1u);
@@ -216,9 +234,9 @@ TEST(StoreTest, InPlaceReadWithAllowMissingListsACorruptBlockAsMissing) {
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
   ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
   ASSERT_TRUE(store->CorruptBlockForTest("ns", Key(1)).ok());
-  auto read = store->BeginRead("ns", Keys(0, 3), ReadFormat::kRaw,
-                               absl::Seconds(30), 0, /*keep_lease=*/true,
-                               /*allow_missing=*/true, /*in_place=*/true);
+  auto read = store->BeginRead(
+      "ns", Keys(0, 3),
+      InPlace(AllowMissing(Leased(ReadFormat::kRaw, absl::Seconds(30)))));
   ASSERT_TRUE(read.ok()) << read.status();
   ASSERT_EQ(read->blocks.size(), 2u);
   EXPECT_EQ(read->missing, std::vector<uint32_t>{1});
@@ -530,8 +548,7 @@ TEST(StoreTest, StagedBlocksEncodeBeforeCommitAndStayInvisibleUntilIt) {
   auto commit = store->CommitWrite(begin->write_id, {{5, bytes(5)}});
   ASSERT_TRUE(commit.ok()) << commit.status();
   EXPECT_EQ(commit->stored, 6u);
-  auto raw = store->BeginRead("ns", Keys(0, 6), ReadFormat::kRaw,
-                              absl::ZeroDuration(), 0, false);
+  auto raw = store->BeginRead("ns", Keys(0, 6), Copy(ReadFormat::kRaw));
   ASSERT_TRUE(raw.ok()) << raw.status();
   for (int i = 0; i < 6; ++i) {
     std::vector<uint8_t> want = ReferenceEncoding(Codec::kFp8E4M3, i);
@@ -616,10 +633,10 @@ TEST(StoreTest, AHeldReadLeaseEndsOnlyByEndLease) {
   auto store = MakeStore(1 << 20);
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
   ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 2).ok());
-  auto held = store->BeginRead("ns", Keys(0, 1), ReadFormat::kRaw,
-                               absl::Milliseconds(1), 0, true);
-  auto other = store->BeginRead("ns", Keys(1, 1), ReadFormat::kRaw,
-                                absl::Milliseconds(1), 0, true);
+  auto held = store->BeginRead("ns", Keys(0, 1),
+                               Leased(ReadFormat::kRaw, absl::Milliseconds(1)));
+  auto other = store->BeginRead(
+      "ns", Keys(1, 1), Leased(ReadFormat::kRaw, absl::Milliseconds(1)));
   ASSERT_TRUE(held.ok() && other.ok());
   ASSERT_TRUE(store->HoldReadLease(held->lease_id).ok());
   EXPECT_EQ(store->ExpireLeases(absl::Now() + absl::Seconds(1)), 1);
@@ -632,6 +649,161 @@ TEST(StoreTest, AHeldReadLeaseEndsOnlyByEndLease) {
   EXPECT_EQ(store->Stats().active_read_leases, 0u);
 }
 
+// ------------------------------------------------------------- lease claims
+
+// Begins a write of blocks [first, first + n) of a fresh chain and returns
+// its id (0 on failure).
+uint64_t BeginChainWrite(Store* store, int first, int n) {
+  std::vector<BlockRef> refs;
+  for (int i = first; i < first + n; ++i) refs.push_back({Key(i), ""});
+  auto begin = store->BeginWrite("ns", refs, absl::Seconds(10));
+  EXPECT_TRUE(begin.ok()) << begin.status();
+  return begin.ok() ? begin->write_id : 0;
+}
+
+TEST(LeaseClaimTest, AWriteClaimDroppedWithoutCommitAbortsAndFreesItsPages) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  const uint64_t write_id = BeginChainWrite(store.get(), 0, 3);
+  {
+    WriteClaim claim(store.get(), write_id);
+    EXPECT_TRUE(claim.held());
+    EXPECT_EQ(claim.id(), write_id);
+    EXPECT_GT(store->Stats().reserved_bytes, 0u);
+  }
+  StoreStats s = store->Stats();
+  EXPECT_EQ(s.reserved_bytes, 0u);
+  EXPECT_EQ(s.active_write_leases, 0u);
+  EXPECT_EQ(store->AbortWrite(write_id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(s.expired_leases, 0u) << "aborted, not expired";
+}
+
+TEST(LeaseClaimTest, AMovedWriteClaimEndsOnceAndItsSourceDoesNothing) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  const uint64_t write_id = BeginChainWrite(store.get(), 0, 1);
+  std::vector<uint16_t> data = RandomBlock(SmallShape(), 0);
+  const Store::Payload payload{
+      0, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(data.data()),
+                             data.size() * 2)};
+  WriteClaim committer;
+  {
+    WriteClaim first(store.get(), write_id);
+    committer = std::move(first);
+    EXPECT_FALSE(first.held());
+    EXPECT_EQ(first.id(), 0u);
+    EXPECT_EQ(first.Abort().code(), absl::StatusCode::kFailedPrecondition);
+  }  // `first` goes: the lease it handed over stays open
+  EXPECT_EQ(store->Stats().active_write_leases, 1u);
+  auto committed = committer.Commit({&payload, 1});
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->stored, 1u);
+  EXPECT_FALSE(committer.held()) << "a commit ends the claim";
+  EXPECT_EQ(committer.Commit({}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->Stats().active_write_leases, 0u);
+  EXPECT_EQ(store->Lookup("ns", Keys(0, 1), false, absl::ZeroDuration())
+                ->prefix_blocks,
+            1u);
+}
+
+TEST(LeaseClaimTest, AssigningOverAWriteClaimAbortsTheWriteItHeld) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  WriteClaim claim(store.get(), BeginChainWrite(store.get(), 0, 2));
+  const uint64_t second = BeginChainWrite(store.get(), 10, 2);
+  EXPECT_EQ(store->Stats().active_write_leases, 2u);
+  claim = WriteClaim(store.get(), second);
+  EXPECT_EQ(store->Stats().active_write_leases, 1u);
+  EXPECT_EQ(claim.id(), second);
+  EXPECT_TRUE(claim.Abort().ok());
+  EXPECT_EQ(claim.Abort().code(), absl::StatusCode::kFailedPrecondition);
+  StoreStats s = store->Stats();
+  EXPECT_EQ(s.active_write_leases, 0u);
+  EXPECT_EQ(s.reserved_bytes, 0u);
+}
+
+TEST(LeaseClaimTest, AReleasedWriteClaimLeavesTheLeaseToItsTtl) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  const uint64_t write_id = BeginChainWrite(store.get(), 0, 2);
+  {
+    WriteClaim claim(store.get(), write_id);
+    EXPECT_EQ(claim.Release(), write_id);
+    EXPECT_FALSE(claim.held());
+  }
+  EXPECT_EQ(store->Stats().active_write_leases, 1u);
+  EXPECT_EQ(store->ExpireLeases(absl::Now() + absl::Minutes(1)), 1);
+  EXPECT_EQ(store->Stats().reserved_bytes, 0u);
+}
+
+TEST(LeaseClaimTest, AReadClaimDroppedEndsTheLeaseAndItsPins) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 2).ok());
+  auto read = store->BeginRead("ns", Keys(0, 2),
+                               Leased(ReadFormat::kRaw, absl::Seconds(30)));
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_GT(read->deadline, absl::Now());
+  EXPECT_LE(read->deadline, absl::Now() + absl::Seconds(30));
+  {
+    ReadClaim claim(store.get(), read->lease_id);
+    ReadClaim moved = std::move(claim);
+    EXPECT_FALSE(claim.held());
+    EXPECT_EQ(claim.End().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(store->Stats().active_read_leases, 1u);
+    EXPECT_GT(store->Stats().pinned_bytes, 0u);
+  }
+  StoreStats s = store->Stats();
+  EXPECT_EQ(s.active_read_leases, 0u);
+  EXPECT_EQ(s.pinned_bytes, 0u);
+  EXPECT_EQ(store->EndLease(read->lease_id).code(),
+            absl::StatusCode::kNotFound);
+}
+
+// A held read claim outlives the lease's TTL; End (or dropping it) ends it,
+// and a claim whose lease has gone answers NOT_FOUND.
+TEST(LeaseClaimTest, AHeldReadClaimEndsOnlyByItsClaim) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 2).ok());
+  auto held = store->BeginRead("ns", Keys(0, 1),
+                               Leased(ReadFormat::kRaw, absl::Milliseconds(1)));
+  auto other = store->BeginRead(
+      "ns", Keys(1, 1), Leased(ReadFormat::kRaw, absl::Milliseconds(1)));
+  ASSERT_TRUE(held.ok() && other.ok());
+  ReadClaim held_claim(store.get(), held->lease_id);
+  ReadClaim other_claim(store.get(), other->lease_id);
+  ASSERT_TRUE(held_claim.Hold().ok());
+  EXPECT_TRUE(held_claim.held()) << "holding keeps the claim";
+  EXPECT_EQ(store->ExpireLeases(absl::Now() + absl::Seconds(1)), 1);
+  EXPECT_EQ(other_claim.Hold().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(other_claim.End().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->Stats().active_read_leases, 1u);
+  EXPECT_TRUE(held_claim.End().ok());
+  EXPECT_EQ(store->Stats().active_read_leases, 0u);
+  EXPECT_EQ(store->Stats().pinned_bytes, 0u);
+}
+
+TEST(LeaseClaimTest, AReleasedReadClaimLeavesThePinToABeginReadThatTakesIt) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 2).ok());
+  auto pin = store->Lookup("ns", Keys(0, 2), true, absl::Seconds(30));
+  ASSERT_TRUE(pin.ok() && pin->lease_id != 0);
+  ReadOptions options = Copy(ReadFormat::kRaw);
+  {
+    ReadClaim claim(store.get(), pin->lease_id);
+    options.pin_lease_id = claim.Release();
+  }
+  EXPECT_EQ(store->Stats().active_read_leases, 1u);
+  auto read = store->BeginRead("ns", Keys(0, 2), options);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->blocks.size(), 2u);
+  EXPECT_EQ(store->Stats().active_read_leases, 0u);
+  EXPECT_EQ(store->Stats().pinned_bytes, 0u);
+}
+
 TEST(StoreTest, CorruptPayloadOrHeaderIsDataLossAndDropsTheBlock) {
   for (bool header : {false, true}) {
     auto store = MakeStore(1 << 20);
@@ -639,8 +811,7 @@ TEST(StoreTest, CorruptPayloadOrHeaderIsDataLossAndDropsTheBlock) {
     ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
     uint64_t used_before = store->Stats().used_bytes;
     ASSERT_TRUE(store->CorruptBlockForTest("ns", Key(1), header).ok());
-    auto read = store->BeginRead("ns", Keys(0, 3), ReadFormat::kFp16,
-                                 absl::ZeroDuration(), 0, false);
+    auto read = store->BeginRead("ns", Keys(0, 3), Copy(ReadFormat::kFp16));
     EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss)
         << read.status();
     StoreStats s = store->Stats();
@@ -652,10 +823,8 @@ TEST(StoreTest, CorruptPayloadOrHeaderIsDataLossAndDropsTheBlock) {
                   ->prefix_blocks,
               1u);
     // The intact block still reads.
-    EXPECT_TRUE(store
-                    ->BeginRead("ns", Keys(0, 1), ReadFormat::kFp16,
-                                absl::ZeroDuration(), 0, false)
-                    .ok());
+    EXPECT_TRUE(
+        store->BeginRead("ns", Keys(0, 1), Copy(ReadFormat::kFp16)).ok());
   }
 }
 
@@ -669,9 +838,10 @@ TEST(StoreTest, AllowMissingReadsTheRestAndListsTheMisses) {
   ASSERT_TRUE(store->CorruptBlockForTest("ns", Key(2)).ok());
   // Keys 0..5: 3 and 4 were never stored, 2 fails its checksum.
   for (bool keep_lease : {false, true}) {
-    auto read = store->BeginRead("ns", Keys(0, 6), ReadFormat::kFp16,
-                                 absl::Seconds(10), 0, keep_lease,
-                                 /*allow_missing=*/true);
+    ReadOptions options = AllowMissing(Copy(ReadFormat::kFp16));
+    options.ttl = absl::Seconds(10);
+    options.keep_lease = keep_lease;
+    auto read = store->BeginRead("ns", Keys(0, 6), options);
     ASSERT_TRUE(read.ok()) << read.status();
     EXPECT_EQ(read->missing, (std::vector<uint32_t>{2, 3, 4}));
     ASSERT_EQ(read->blocks.size(), 3u);
@@ -700,33 +870,32 @@ TEST(StoreTest, AllowMissingReadsTheRestAndListsTheMisses) {
     EXPECT_EQ(store->Stats().pinned_bytes, 0u);
   }
   // Nothing stored at all: an empty read, still no error.
-  auto none = store->BeginRead("ns", Keys(10, 2), ReadFormat::kRaw,
-                               absl::Seconds(10), 0, true, true);
+  auto none = store->BeginRead(
+      "ns", Keys(10, 2),
+      AllowMissing(Leased(ReadFormat::kRaw, absl::Seconds(10))));
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_TRUE(none->blocks.empty());
   EXPECT_EQ(none->missing, (std::vector<uint32_t>{0, 1}));
   ASSERT_TRUE(store->EndLease(none->lease_id).ok());
   // Without allow_missing the same keys fail the read as before.
-  EXPECT_EQ(store
-                ->BeginRead("ns", Keys(0, 6), ReadFormat::kFp16,
-                            absl::ZeroDuration(), 0, false)
+  EXPECT_EQ(store->BeginRead("ns", Keys(0, 6), Copy(ReadFormat::kFp16))
                 .status()
                 .code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(store->Stats().pinned_bytes, 0u);
   // Bad input is still an error.
   EXPECT_EQ(store
-                ->BeginRead("ns", {std::string(65, 'k')}, ReadFormat::kFp16,
-                            absl::ZeroDuration(), 0, false, true)
+                ->BeginRead("ns", {std::string(65, 'k')},
+                            AllowMissing(Copy(ReadFormat::kFp16)))
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(store
-                ->BeginRead("nope", Keys(0, 1), ReadFormat::kFp16,
-                            absl::ZeroDuration(), 0, false, true)
-                .status()
-                .code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(
+      store
+          ->BeginRead("nope", Keys(0, 1), AllowMissing(Copy(ReadFormat::kFp16)))
+          .status()
+          .code(),
+      absl::StatusCode::kNotFound);
 }
 
 TEST(StoreTest, FailedCommitStoresNothingAndKeepsEarlierData) {
@@ -752,10 +921,7 @@ TEST(StoreTest, FailedCommitStoresNothingAndKeepsEarlierData) {
   StoreStats s = store->Stats();
   EXPECT_EQ(s.reserved_bytes, 0u);
   EXPECT_EQ(s.codecs[1].blocks, 1u);
-  EXPECT_TRUE(store
-                  ->BeginRead("ns", Keys(0, 1), ReadFormat::kFp16,
-                              absl::ZeroDuration(), 0, false)
-                  .ok());
+  EXPECT_TRUE(store->BeginRead("ns", Keys(0, 1), Copy(ReadFormat::kFp16)).ok());
 }
 
 TEST(StoreTest, RegistrationRules) {
@@ -828,8 +994,8 @@ TEST(StoreTest, ConcurrentStressNeverReturnsWrongBytes) {
             break;
           }
           case 2: {
-            auto r = store->BeginRead("ns", Keys(first, 1), ReadFormat::kFp16,
-                                      absl::ZeroDuration(), 0, false);
+            auto r =
+                store->BeginRead("ns", Keys(first, 1), Copy(ReadFormat::kFp16));
             if (!r.ok()) break;  // evicted or never written: a miss
             ++reads;
             std::vector<uint16_t> want = RandomBlock(SmallShape(), first);
@@ -897,8 +1063,7 @@ TEST(StoreTest, KiviResidualWindowKeepsRecentBlocksFp16ThenReencodes) {
   EXPECT_EQ(s.used_bytes,
             (3 * pages(Codec::kKivi2) + 2 * pages(Codec::kNone)) * kPage);
 
-  auto raw = store->BeginRead("ns", Keys(0, 5), ReadFormat::kRaw,
-                              absl::ZeroDuration(), 0, false);
+  auto raw = store->BeginRead("ns", Keys(0, 5), Copy(ReadFormat::kRaw));
   ASSERT_TRUE(raw.ok()) << raw.status();
   for (int i = 0; i < 5; ++i) {
     const ReadBlock& b = raw->blocks[i];

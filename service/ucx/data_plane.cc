@@ -64,7 +64,10 @@ struct DataPlane::WriteSession {
   // kLanded: in staging; kStaged: encoded into the store's pages (its
   // staging buffer is released).
   enum class Slot { kPresent, kAwaiting, kReceiving, kLanded, kStaged };
-  uint64_t id = 0;
+  uint64_t id = 0;  // the store's write lease; never changes
+  // Moved out only by whoever takes the session out of writes_ (under mu_),
+  // so by one party; StageBlock calls use `id` instead.
+  store::WriteClaim claim;
   Token token{};
   absl::Time deadline;
   uint64_t block_bytes = 0;
@@ -81,7 +84,10 @@ struct DataPlane::WriteSession {
 
 struct DataPlane::ReadSession {
   enum class State { kWaiting, kTransferring, kDone };
-  uint64_t id = 0;  // the store's read lease
+  uint64_t id = 0;  // the store's read lease; never changes
+  // While kWaiting, taken by whoever takes the session out of reads_ (under
+  // mu_); from kTransferring on, the loop thread's alone.
+  store::ReadClaim claim;
   Token token{};
   absl::Time deadline;
   store::ReadResult result;
@@ -97,7 +103,6 @@ struct DataPlane::ReadSession {
   uint32_t data_messages = 0;  // kAmReadData messages issued
   absl::Status error;
   bool finished = false;
-  bool lease_ended = false;
 };
 
 // ------------------------------------------------------------- lifecycle
@@ -220,13 +225,13 @@ void DataPlane::Stop() {
     reads.swap(reads_);
   }
   for (auto& [id, session] : writes) {
-    store_->AbortWrite(id).IgnoreError();
+    session->claim = store::WriteClaim();  // aborts the store write
     if (session->waiter) {
       CommitDone done = std::move(session->waiter);
       done(absl::UnavailableError("the node's data plane is shutting down"));
     }
   }
-  for (auto& [id, session] : reads) store_->EndLease(id).IgnoreError();
+  for (auto& [id, session] : reads) session->claim = store::ReadClaim();
   // loop_ itself lives until the destructor: Post() on it now returns false.
 }
 
@@ -282,19 +287,18 @@ std::vector<std::vector<uint64_t>> DataPlane::LayerEnds(
   return all;
 }
 
-absl::Time DataPlane::LeaseDeadline(uint32_t ttl_ms) const {
-  absl::Duration ttl =
-      ttl_ms == 0 ? options_.default_lease_ttl : absl::Milliseconds(ttl_ms);
-  return absl::Now() + std::min(ttl, options_.max_lease_ttl);
-}
-
 // ---------------------------------------------------------------- writes
 
-absl::StatusOr<Token> DataPlane::OpenWrite(const store::BeginWriteResult& begin,
-                                           absl::Time deadline) {
+absl::StatusOr<Token> DataPlane::OpenWrite(
+    store::WriteClaim claim, const store::BeginWriteResult& begin) {
+  if (!claim.held() || claim.id() != begin.write_id) {
+    return absl::InternalError("the claim is not the write's lease");
+  }
+  // From here every early return drops the session, and so its claim.
   auto session = std::make_shared<WriteSession>();
   session->id = begin.write_id;
-  session->deadline = deadline;
+  session->claim = std::move(claim);
+  session->deadline = begin.deadline;
   session->block_bytes = begin.fp16_block_bytes;
   absl::StatusOr<Token> token = NewToken();
   if (!token.ok()) return token.status();
@@ -364,10 +368,9 @@ std::function<void()> DataPlane::TakeForCommitLocked(uint64_t write_id) {
     return nullptr;  // not every block has landed yet
   }
   writes_.erase(it);
-  store::Store* store = store_;
   if (!session->error.ok()) {
-    return [store, session] {
-      store->AbortWrite(session->id).IgnoreError();
+    return [session] {
+      session->claim = store::WriteClaim();  // aborts the store write
       // Staging returns before the reply, so that a client that sends the
       // batch again at once (a refused pull) finds it free; a receive still
       // in flight keeps its own buffer until it completes.
@@ -380,8 +383,8 @@ std::function<void()> DataPlane::TakeForCommitLocked(uint64_t write_id) {
   }
   // Encoding runs on the worker pool; the task owns the session (and so
   // its staging) and touches nothing else of the data plane.
-  return [executor = executor_, store, session, observer = observer_] {
-    executor([store, session, observer] {
+  return [executor = executor_, session, observer = observer_] {
+    executor([session, observer] {
       std::vector<store::Store::Payload> payloads;
       uint64_t bytes = 0;
       for (size_t i = 0; i < session->slots.size(); ++i) {
@@ -396,7 +399,7 @@ std::function<void()> DataPlane::TakeForCommitLocked(uint64_t write_id) {
         bytes += session->block_bytes;
       }
       absl::StatusOr<store::CommitResult> result =
-          store->CommitWrite(session->id, payloads);
+          session->claim.Commit(payloads);
       if (result.ok() && observer) observer(/*inbound=*/true, bytes);
       session->buffers.clear();  // staging returns before the reply
       CommitDone done = std::move(session->waiter);
@@ -418,6 +421,8 @@ std::function<void()> DataPlane::StageLocked(
           mapping = std::move(mapping), source, index]() mutable {
     executor_([this, session, buffer = std::move(buffer),
                mapping = std::move(mapping), source, index]() mutable {
+      // By id, not through the claim, which whoever takes the session may
+      // move meanwhile; the store refuses to end the lease while it runs.
       absl::Status status =
           store_->StageBlock(session->id, index,
                              absl::MakeConstSpan(source, session->block_bytes));
@@ -445,19 +450,21 @@ std::function<void()> DataPlane::StageLocked(
   };
 }
 
-void DataPlane::Abort(uint64_t write_id) {
+store::WriteClaim DataPlane::TakeWrite(uint64_t write_id) {
   std::shared_ptr<WriteSession> session;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = writes_.find(write_id);
-    if (it == writes_.end()) return;
+    if (it == writes_.end()) return store::WriteClaim(store_, write_id);
     session = std::move(it->second);
     writes_.erase(it);
   }
+  store::WriteClaim claim = std::move(session->claim);
   if (session->waiter) {
     CommitDone done = std::move(session->waiter);
     done(absl::AbortedError("the write was aborted"));
   }
+  return claim;
 }
 
 DataPlane::Connection* DataPlane::SenderOf(const ucp_am_recv_param_t* param) {
@@ -590,17 +597,23 @@ absl::StatusOr<StagingReservation> DataPlane::ReserveStaging(uint64_t bytes) {
 }
 
 absl::StatusOr<Token> DataPlane::OpenRead(
-    store::ReadResult result, std::vector<std::vector<uint64_t>> layer_ends,
-    StagingReservation reservation, absl::Time deadline) {
+    store::ReadClaim claim, store::ReadResult result,
+    std::vector<std::vector<uint64_t>> layer_ends,
+    StagingReservation reservation) {
+  if (!claim.held() || claim.id() != result.lease_id) {
+    return absl::InternalError("the claim is not the read's lease");
+  }
   if (layer_ends.size() != result.blocks.size()) {
     return absl::InternalError("layer offsets do not match the blocks");
   }
   absl::StatusOr<Token> token = NewToken();
   if (!token.ok()) return token.status();
+  // From here every early return drops the session, and so its claim.
   auto session = std::make_shared<ReadSession>();
   session->id = result.lease_id;
+  session->claim = std::move(claim);
   session->token = *token;
-  session->deadline = deadline;
+  session->deadline = result.deadline;
   session->result = std::move(result);
   session->layer_ends = std::move(layer_ends);
   session->num_layers = 1;
@@ -615,15 +628,15 @@ absl::StatusOr<Token> DataPlane::OpenRead(
   return *token;
 }
 
-bool DataPlane::EndRead(uint64_t lease_id) {
+std::optional<store::ReadClaim> DataPlane::EndRead(uint64_t lease_id) {
   std::shared_ptr<ReadSession> dropped;  // freed outside the lock
   std::lock_guard<std::mutex> lock(mu_);
   auto it = reads_.find(lease_id);
-  if (it == reads_.end()) return false;
-  if (it->second->state != ReadSession::State::kWaiting) return true;
+  if (it == reads_.end()) return store::ReadClaim(store_, lease_id);
+  if (it->second->state != ReadSession::State::kWaiting) return std::nullopt;
   dropped = std::move(it->second);
   reads_.erase(it);
-  return false;
+  return std::move(dropped->claim);
 }
 
 ucs_status_t DataPlane::OnReadStart(void* arg, const void* header,
@@ -885,7 +898,7 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
   // From here the session, not the store's TTL, ends the lease: its
   // deadline force-closes a stuck transfer, and the lease ends only once
   // no send reads the pinned pages (ReleaseIfIdle).
-  if (absl::Status held = store_->HoldReadLease(session->id); !held.ok()) {
+  if (absl::Status held = session->claim.Hold(); !held.ok()) {
     FinishRead(session, absl::FailedPreconditionError(
                             "read lease is unknown or has expired"));
     return;
@@ -1139,12 +1152,10 @@ void DataPlane::FinishRead(const std::shared_ptr<ReadSession>& session,
 void DataPlane::ReleaseIfIdle(ReadSession& session) {
   if (!session.finished || session.outstanding > 0) return;
   // No operation references the pinned pages, the copies or the key any
-  // more. NOT_FOUND: the lease was never held (the read failed before it
-  // could be) and the store's TTL or the caller ended it.
-  if (!session.lease_ended) {
-    session.lease_ended = true;
-    store_->EndLease(session.id).IgnoreError();
-  }
+  // more: the claim goes (once; an empty claim does nothing), which ends
+  // the lease unless it had ended already (it was never held: the read
+  // failed before it could be, and the store's TTL ended it).
+  session.claim = store::ReadClaim();
   session.rkey.reset();
   session.result.blocks.clear();
   session.result.blocks.shrink_to_fit();
@@ -1262,7 +1273,7 @@ void DataPlane::DropConnectionSessions(uint64_t conn_id) {
     }
   }
   for (auto& w : work) w();
-  for (auto& s : writes) store_->AbortWrite(s->id).IgnoreError();
+  for (auto& s : writes) s->claim = store::WriteClaim();  // aborts the write
   // Reads bound to the connection end when their flush fails (the
   // endpoint was force-closed); reads not started are not bound yet.
 }
@@ -1309,8 +1320,10 @@ void DataPlane::Expire(absl::Time now) {
     for (auto& s : expired_reads) reads_.erase(s->id);
   }
   for (auto& w : work) w();
-  for (auto& s : expired_writes) store_->AbortWrite(s->id).IgnoreError();
-  for (auto& s : expired_reads) store_->EndLease(s->id).IgnoreError();
+  // Their claims go now (aborting the writes, ending the reads), not when
+  // an operation still in flight drops its last reference.
+  for (auto& s : expired_writes) s->claim = store::WriteClaim();
+  for (auto& s : expired_reads) s->claim = store::ReadClaim();
   for (uint64_t id : close) CloseConnection(id, "session expired mid-transfer");
   const absl::Duration handshake = options_.handshake_timeout;
   loop_->Post([this, now, handshake] {

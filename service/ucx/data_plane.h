@@ -58,6 +58,12 @@
 //  * Memory that UCX may still write (an in-flight receive) or read (an
 //    in-flight put) is owned by that operation's completion, so dropping a
 //    session never frees bytes under a transfer.
+//  * A session holds its store lease as a claim (store/lease_claim.h):
+//    whoever takes a session out of the table (commit, abort, expiry, a
+//    failed connection, EndRead, Stop) takes its claim, and a claim that
+//    nobody commits, ends or hands on aborts the write or ends the read
+//    when it goes. Sessions end when their leases do: their deadlines are
+//    the store's (BeginWriteResult::deadline, ReadResult::deadline).
 #ifndef KVCACHE_SERVICE_UCX_DATA_PLANE_H_
 #define KVCACHE_SERVICE_UCX_DATA_PLANE_H_
 
@@ -74,12 +80,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "transport/handles.h"
 #include "service/ucx/staging.h"
+#include "store/lease_claim.h"
+#include "store/store.h"
+#include "transport/handles.h"
 #include "transport/tcp_segments.h"
 #include "transport/wire.h"
 #include "transport/worker_loop.h"
-#include "store/store.h"
 
 namespace kvcache::ucx {
 
@@ -102,10 +109,6 @@ struct DataPlaneOptions {
   std::string advertise_host;
   uint64_t staging_bytes = 256ull << 20;
   absl::Duration handshake_timeout = absl::Seconds(10);
-  // Lease TTLs as the store applies them (StoreOptions), so that a
-  // session ends when its lease does.
-  absl::Duration default_lease_ttl = absl::Seconds(30);
-  absl::Duration max_lease_ttl = absl::Minutes(10);
   // Progress-thread tuning (see WorkerLoop).
   int spin_iterations = 64;
   ReadDelivery read_delivery = ReadDelivery::kAuto;
@@ -154,36 +157,49 @@ class DataPlane {
   // UCX with this node (transport/tcp_segments.h).
   const TcpSegments& tcp_segments() const { return tcp_segments_; }
 
-  // After Store::BeginWrite succeeded: a session for `begin.write_id`, with
-  // staging for each block not present. RESOURCE_EXHAUSTED when staging is
-  // full (the caller aborts the store write), UNAVAILABLE while draining.
-  absl::StatusOr<Token> OpenWrite(const store::BeginWriteResult& begin,
-                                  absl::Time deadline);
+  // After Store::BeginWrite succeeded: a session for the write that `claim`
+  // holds, with staging for each block not present, until begin.deadline.
+  // The session keeps the claim: it commits or aborts the store write. On
+  // an error (RESOURCE_EXHAUSTED when staging is full, UNAVAILABLE while
+  // draining) the claim is dropped, which aborts the store write.
+  absl::StatusOr<Token> OpenWrite(store::WriteClaim claim,
+                                  const store::BeginWriteResult& begin);
   // CommitWrite without payloads. False when `write_id` has no session (the
-  // caller takes the inline path). Otherwise `done` runs exactly once, on a
-  // worker or the caller's thread, when every block has landed and the store
-  // commit ended, or with an error (a bad block, a failed connection,
-  // DEADLINE_EXCEEDED at `deadline`).
+  // caller takes the inline path with a claim of its own). Otherwise the
+  // session's claim commits, and `done` runs exactly once, on a worker or
+  // the caller's thread, when every block has landed and the store commit
+  // ended, or with an error (a bad block, a failed connection,
+  // DEADLINE_EXCEEDED at `deadline`; the store write is then aborted).
   bool Commit(uint64_t write_id, absl::Time deadline, CommitDone done);
-  // Drops the session of `write_id` if there is one (AbortWrite).
-  void Abort(uint64_t write_id);
+  // Drops the session of `write_id` and hands its claim to the caller (who
+  // aborts the write, or commits it with inline payloads); a commit waiting
+  // on the session fails with ABORTED. Without a session (none was opened,
+  // or its commit has begun, or it ended) the claim is taken from the
+  // store's table as the write stands there.
+  store::WriteClaim TakeWrite(uint64_t write_id);
 
   // Staging for `bytes` of read copies; RESOURCE_EXHAUSTED when full.
   absl::StatusOr<StagingReservation> ReserveStaging(uint64_t bytes);
-  // After Store::BeginRead(keep_lease = true): a session for the lease that
-  // holds the copies until the client has them. `layer_ends[b][l]` is the
-  // byte offset in block b where layer l ends (see LayerEnds).
-  absl::StatusOr<Token> OpenRead(store::ReadResult result,
+  // After Store::BeginRead(keep_lease = true): a session for the read
+  // lease that `claim` holds (result.lease_id), which holds the copies
+  // until the client has them and ends by result.deadline.
+  // `layer_ends[b][l]` is the byte offset in block b where layer l ends
+  // (see LayerEnds). The session keeps the claim and ends the lease once no
+  // transfer reads its pages; on an error the claim is dropped, which ends
+  // the lease.
+  absl::StatusOr<Token> OpenRead(store::ReadClaim claim,
+                                 store::ReadResult result,
                                  std::vector<std::vector<uint64_t>> layer_ends,
-                                 StagingReservation reservation,
-                                 absl::Time deadline);
-  // EndRead (gRPC) for `lease_id`. A read session the client has not
-  // started (it fell back to gRPC, or gave up) is dropped now, its staging
-  // returned, and false is returned: the caller ends the store lease. True
-  // when a transfer of it is under way: the session ends the lease itself
-  // when the transfer ends (at the latest at its deadline), so that pinned
-  // pages are never released under a put. False when there is no session.
-  bool EndRead(uint64_t lease_id);
+                                 StagingReservation reservation);
+  // EndRead (gRPC) for `lease_id`: returns the claim the caller ends, or
+  // nullopt when the data plane keeps it. A transfer under way keeps it:
+  // the session ends the lease when the transfer ends (at the latest at its
+  // deadline), so that pinned pages are never released under a put. A read
+  // session the client has not started (it fell back to gRPC, or gave up)
+  // is dropped now, its staging returned, and its claim handed over.
+  // Without a session (a Lookup pin, an inline read's lease, one that
+  // ended) the claim is taken from the store's table.
+  std::optional<store::ReadClaim> EndRead(uint64_t lease_id);
 
   // Called periodically (the node's reaper): fails commit waits past their
   // deadline, drops expired sessions, closes connections that never
@@ -203,9 +219,6 @@ class DataPlane {
   // one entry, its length.
   static std::vector<std::vector<uint64_t>> LayerEnds(
       const store::ReadResult& result, store::ReadFormat format);
-  // The lease deadline for a TTL asked for in milliseconds (0: default),
-  // as the store computes it.
-  absl::Time LeaseDeadline(uint32_t ttl_ms) const;
 
  private:
   struct Connection;
@@ -277,9 +290,9 @@ class DataPlane {
   void FinishRead(const std::shared_ptr<ReadSession>& session,
                   absl::Status status);
   // Once a finished read has no operation in flight: frees its key, copies
-  // and staging, and ends its store lease (exactly once). Only then may the
-  // pinned pages it sends from be released or reused: a rendezvous data
-  // message reads them until its send completes, which can be after the
+  // and staging, and drops its claim, which ends the store lease. Only then
+  // may the pinned pages it sends from be released or reused: a rendezvous
+  // data message reads them until its send completes, which can be after the
   // flush that reported the read (ucp_ep_flush_nbx does not wait for it).
   void ReleaseIfIdle(ReadSession& session);
   // data_messages: for a read delivered by kAmReadData, the messages sent

@@ -1,0 +1,110 @@
+#include "store/lease_claim.h"
+
+#include <utility>
+
+namespace kvcache::store {
+
+// ---------------------------------------------------------------- WriteClaim
+
+WriteClaim::WriteClaim(Store* store, uint64_t write_id)
+    : store_(store), id_(write_id) {}
+
+WriteClaim::~WriteClaim() { AbortIfHeld(); }
+
+WriteClaim::WriteClaim(WriteClaim&& other) noexcept
+    : store_(std::exchange(other.store_, nullptr)),
+      id_(std::exchange(other.id_, 0)) {}
+
+WriteClaim& WriteClaim::operator=(WriteClaim&& other) noexcept {
+  if (this != &other) {
+    AbortIfHeld();
+    store_ = std::exchange(other.store_, nullptr);
+    id_ = std::exchange(other.id_, 0);
+  }
+  return *this;
+}
+
+absl::StatusOr<CommitResult> WriteClaim::Commit(
+    absl::Span<const Store::Payload> payloads) {
+  Store* store = std::exchange(store_, nullptr);
+  uint64_t id = std::exchange(id_, 0);
+  if (store == nullptr) {
+    return absl::FailedPreconditionError("the write claim holds no lease");
+  }
+  return store->CommitWrite(id, payloads);
+}
+
+absl::Status WriteClaim::Abort() {
+  Store* store = std::exchange(store_, nullptr);
+  uint64_t id = std::exchange(id_, 0);
+  if (store == nullptr) {
+    return absl::FailedPreconditionError("the write claim holds no lease");
+  }
+  return store->AbortWrite(id);
+}
+
+uint64_t WriteClaim::Release() {
+  store_ = nullptr;
+  return std::exchange(id_, 0);
+}
+
+void WriteClaim::AbortIfHeld() {
+  if (store_ == nullptr) return;
+  // A dropped claim is abandoned work: NOT_FOUND (the lease expired or was
+  // ended by its id) and FAILED_PRECONDITION (a commit or StageBlock is
+  // using it; the store's TTL then ends it) leave nothing for us to undo.
+  store_->AbortWrite(std::exchange(id_, 0)).IgnoreError();
+  store_ = nullptr;
+}
+
+// ----------------------------------------------------------------- ReadClaim
+
+ReadClaim::ReadClaim(Store* store, uint64_t lease_id)
+    : store_(store), id_(lease_id) {}
+
+ReadClaim::~ReadClaim() { EndIfHeld(); }
+
+ReadClaim::ReadClaim(ReadClaim&& other) noexcept
+    : store_(std::exchange(other.store_, nullptr)),
+      id_(std::exchange(other.id_, 0)) {}
+
+ReadClaim& ReadClaim::operator=(ReadClaim&& other) noexcept {
+  if (this != &other) {
+    EndIfHeld();
+    store_ = std::exchange(other.store_, nullptr);
+    id_ = std::exchange(other.id_, 0);
+  }
+  return *this;
+}
+
+absl::Status ReadClaim::Hold() {
+  if (store_ == nullptr) {
+    return absl::FailedPreconditionError("the read claim holds no lease");
+  }
+  return store_->HoldReadLease(id_);
+}
+
+absl::Status ReadClaim::End() {
+  Store* store = std::exchange(store_, nullptr);
+  uint64_t id = std::exchange(id_, 0);
+  if (store == nullptr) {
+    return absl::FailedPreconditionError("the read claim holds no lease");
+  }
+  return store->EndLease(id);
+}
+
+uint64_t ReadClaim::Release() {
+  store_ = nullptr;
+  return std::exchange(id_, 0);
+}
+
+void ReadClaim::EndIfHeld() {
+  if (store_ == nullptr) return;
+  // NOT_FOUND is the only error: the lease expired by its TTL, or a
+  // BeginRead took it over, or it was ended by its id. Nothing is pinned
+  // for it any more either way.
+  store_->EndLease(std::exchange(id_, 0)).IgnoreError();
+  store_ = nullptr;
+}
+
+}  // namespace kvcache::store
