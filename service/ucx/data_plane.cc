@@ -10,8 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "kernels/codec.h"
 #include "base/log.h"
+#include "kernels/codec.h"
 #include "transport/status.h"
 
 namespace kvcache::ucx {
@@ -203,7 +203,7 @@ DataPlane::~DataPlane() { Stop(); }
 
 void DataPlane::Stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (stopped_) return;
     stopped_ = true;
     draining_ = true;
@@ -220,7 +220,7 @@ void DataPlane::Stop() {
   absl::flat_hash_map<uint64_t, std::shared_ptr<WriteSession>> writes;
   absl::flat_hash_map<uint64_t, std::shared_ptr<ReadSession>> reads;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     writes.swap(writes_);
     reads.swap(reads_);
   }
@@ -236,7 +236,7 @@ void DataPlane::Stop() {
 }
 
 void DataPlane::BeginDrain(absl::Time deadline) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   draining_ = true;
   drain_deadline_ = deadline;
   for (auto& [id, session] : writes_) {
@@ -254,7 +254,7 @@ DataPlaneStats DataPlane::Stats() const {
   s.buffer_keys = buffer_key_count_.load();
   s.pulled_blocks = pulled_blocks_.load();
   s.message_reads = message_reads_.load();
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   s.write_sessions = static_cast<uint32_t>(writes_.size());
   s.read_sessions = static_cast<uint32_t>(reads_.size());
   return s;
@@ -306,7 +306,7 @@ absl::StatusOr<Token> DataPlane::OpenWrite(
   uint32_t needed = 0;
   for (bool present : begin.present) needed += present ? 0 : 1;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (draining_) {
       return absl::UnavailableError("the node is draining");
     }
@@ -328,7 +328,7 @@ absl::StatusOr<Token> DataPlane::OpenWrite(
     session->buffers.push_back(*std::move(buffer));
     ++session->awaiting;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("the node is draining");
   writes_[session->id] = std::move(session);
   return *token;
@@ -338,7 +338,7 @@ bool DataPlane::Commit(uint64_t write_id, absl::Time deadline,
                        CommitDone done) {
   std::function<void()> work;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = writes_.find(write_id);
     if (it == writes_.end()) return false;
     WriteSession& session = *it->second;
@@ -435,7 +435,7 @@ std::function<void()> DataPlane::StageLocked(
       if (mapping != nullptr) loop_->Post([mapping = std::move(mapping)] {});
       std::function<void()> done_work;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         --session->encoding;
         if (status.ok()) {
           session->slots[index] = WriteSession::Slot::kStaged;
@@ -453,7 +453,7 @@ std::function<void()> DataPlane::StageLocked(
 store::WriteClaim DataPlane::TakeWrite(uint64_t write_id) {
   std::shared_ptr<WriteSession> session;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = writes_.find(write_id);
     if (it == writes_.end()) return store::WriteClaim(store_, write_id);
     session = std::move(it->second);
@@ -503,7 +503,7 @@ void DataPlane::HandleWriteBlock(Connection* conn, absl::string_view header,
   std::shared_ptr<StagingBuffer> buffer;
   std::function<void()> work, stage;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = writes_.find(h->write_id);
     if (it == writes_.end()) {
       // An expired or finished write: harmless from a connection that has
@@ -567,7 +567,7 @@ void DataPlane::HandleWriteBlock(Connection* conn, absl::string_view header,
         loop_->AddBusy(-1);
         std::function<void()> done_work, stage;
         {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(&mu_);
           --session->in_flight;
           if (status.ok()) {
             session->slots[index] = WriteSession::Slot::kLanded;
@@ -590,7 +590,7 @@ void DataPlane::HandleWriteBlock(Connection* conn, absl::string_view header,
 
 absl::StatusOr<StagingReservation> DataPlane::ReserveStaging(uint64_t bytes) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (draining_) return absl::UnavailableError("the node is draining");
   }
   return budget_->TryReserve(bytes);
@@ -622,7 +622,7 @@ absl::StatusOr<Token> DataPlane::OpenRead(
         std::max(session->num_layers, static_cast<uint32_t>(ends.size()));
   }
   session->reservation = std::move(reservation);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("the node is draining");
   reads_[session->id] = std::move(session);
   return *token;
@@ -630,7 +630,7 @@ absl::StatusOr<Token> DataPlane::OpenRead(
 
 std::optional<store::ReadClaim> DataPlane::EndRead(uint64_t lease_id) {
   std::shared_ptr<ReadSession> dropped;  // freed outside the lock
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = reads_.find(lease_id);
   if (it == reads_.end()) return store::ReadClaim(store_, lease_id);
   if (it->second->state != ReadSession::State::kWaiting) return std::nullopt;
@@ -695,7 +695,7 @@ void DataPlane::HandleWritePull(Connection* conn, absl::string_view header,
   std::shared_ptr<WriteSession> session;
   bool close = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = writes_.find(h->write_id);
     if (it == writes_.end()) {
       close = !conn->authenticated;  // else an expired write: dropped
@@ -716,7 +716,7 @@ void DataPlane::HandleWritePull(Connection* conn, absl::string_view header,
   auto fail = [&](absl::Status status) {
     std::function<void()> work;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (session->error.ok()) session->error = std::move(status);
       work = TakeForCommitLocked(session->id);
     }
@@ -729,9 +729,9 @@ void DataPlane::HandleWritePull(Connection* conn, absl::string_view header,
   }
   const size_t blocks = body->blocks.size();
   if (blocks == 0 || blocks > session->slots.size()) {
-    fail(absl::InvalidArgumentError(
-        absl::StrCat("write pull names ", blocks, " blocks; the write has ",
-                     session->slots.size())));
+    fail(absl::InvalidArgumentError(absl::StrCat("write pull names ", blocks,
+                                                 " blocks; the write has ",
+                                                 session->slots.size())));
     return;
   }
   struct Pull {
@@ -780,7 +780,7 @@ void DataPlane::HandleWritePull(Connection* conn, absl::string_view header,
   std::vector<std::function<void()>> stages;
   std::function<void()> work;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (const Pull& pull : pulls) {
       if (pull.index >= session->slots.size() ||
           session->slots[pull.index] != WriteSession::Slot::kAwaiting) {
@@ -872,7 +872,7 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
   std::shared_ptr<ReadSession> session;
   bool known = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = reads_.find(h->read_id);
     known = it != reads_.end();
     if (known && TokenEquals(it->second->token, h->token) &&
@@ -930,13 +930,12 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
       const uint64_t size = session->result.blocks[i].size();
       if (!RegionContains(body->region_base, body->region_length, remote[i],
                           size)) {
-        FinishRead(session,
-                   absl::InvalidArgumentError(absl::StrCat(
-                       "read destination of block ", i, " (", size,
-                       " bytes at 0x", absl::Hex(remote[i]),
-                       ") lies outside the registered region (",
-                       body->region_length, " bytes at 0x",
-                       absl::Hex(body->region_base), ")")));
+        FinishRead(session, absl::InvalidArgumentError(absl::StrCat(
+                                "read destination of block ", i, " (", size,
+                                " bytes at 0x", absl::Hex(remote[i]),
+                                ") lies outside the registered region (",
+                                body->region_length, " bytes at 0x",
+                                absl::Hex(body->region_base), ")")));
         return;
       }
     }
@@ -1130,7 +1129,7 @@ void DataPlane::FinishRead(const std::shared_ptr<ReadSession>& session,
   session->finished = true;
   uint64_t conn_id;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     session->state = ReadSession::State::kDone;
     conn_id = session->conn_id;
     auto it = reads_.find(session->id);
@@ -1168,7 +1167,7 @@ void DataPlane::OnConnRequest(ucp_conn_request_h request, void* arg) noexcept {
   auto* self = static_cast<DataPlane*>(arg);
   ConnRequest owned(self->listener_->get(), request);
   {
-    std::lock_guard<std::mutex> lock(self->mu_);
+    MutexLock lock(&self->mu_);
     if (self->draining_) return;  // rejected by ~ConnRequest
   }
   auto conn = std::make_unique<Connection>();
@@ -1203,7 +1202,7 @@ DataPlane::Connection* DataPlane::FindConnection(ucp_ep_h ep) {
     return conn == connections_.end() ? nullptr : conn->second.get();
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (draining_) return nullptr;
   }
   // A peer that connected to the worker's address: UCX made this endpoint
@@ -1229,8 +1228,8 @@ void DataPlane::CloseConnection(uint64_t conn_id, const char* why) {
     if (!it->second->authenticated) {
       rejected_connections_.fetch_add(1);
       LogInfo(absl::StrCat("closed a UCX data-plane connection",
-                                    it->second->peer.empty() ? "" : " from ",
-                                    it->second->peer, ": ", why));
+                           it->second->peer.empty() ? "" : " from ",
+                           it->second->peer, ": ", why));
     }
     std::unique_ptr<Connection> conn = std::move(it->second);
     connections_.erase(it);
@@ -1252,7 +1251,7 @@ void DataPlane::DropConnectionSessions(uint64_t conn_id) {
   std::vector<std::shared_ptr<WriteSession>> writes;
   std::vector<std::function<void()>> work;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     std::vector<uint64_t> ids;
     for (auto& [id, session] : writes_) {
       if (session->conn_id == conn_id) ids.push_back(id);
@@ -1286,7 +1285,7 @@ void DataPlane::Expire(absl::Time now) {
   std::vector<std::shared_ptr<ReadSession>> expired_reads;
   std::vector<uint64_t> close;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (stopped_) return;
     std::vector<uint64_t> ids;
     for (auto& [id, session] : writes_) {

@@ -71,15 +71,16 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "base/mutex.h"
 #include "service/ucx/staging.h"
 #include "store/lease_claim.h"
 #include "store/store.h"
@@ -303,20 +304,22 @@ class DataPlane {
                       std::optional<uint32_t> data_messages = std::nullopt);
 
   // Takes the session out of the table and runs or schedules its end: the
-  // store commit (all landed), or abort + error. Called with mu_ held;
-  // returns work to run after unlocking.
-  std::function<void()> TakeForCommitLocked(uint64_t write_id);
+  // store commit (all landed), or abort + error. Returns work to run after
+  // unlocking.
+  std::function<void()> TakeForCommitLocked(uint64_t write_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Block `index` of `session` has landed: returns the work that encodes it
   // into the store's reserved pages on the worker pool (Store::StageBlock),
   // so that encoding overlaps the transfer of the blocks after it. Its bytes
   // are the slot's staging buffer, or `source` for a pulled block (in the
   // node's mapping of a client buffer, which `mapping` keeps alive; the
-  // last reference to it is dropped on the loop thread). Requires mu_; run
-  // the returned work after releasing it.
+  // last reference to it is dropped on the loop thread). Run the returned
+  // work after releasing mu_.
   std::function<void()> StageLocked(
       std::shared_ptr<WriteSession> session, uint32_t index,
       const uint8_t* source = nullptr,
-      std::shared_ptr<RemoteKey> mapping = nullptr);
+      std::shared_ptr<RemoteKey> mapping = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Binds a session to `conn_id` or checks that it is bound to it.
   static bool BindLocked(uint64_t* session_conn, uint64_t conn_id);
   void DropConnectionSessions(uint64_t conn_id);
@@ -338,12 +341,16 @@ class DataPlane {
   absl::flat_hash_map<ucp_ep_h, uint64_t> connection_by_ep_;
   uint64_t next_connection_id_ = 1;
 
-  mutable std::mutex mu_;
-  absl::flat_hash_map<uint64_t, std::shared_ptr<WriteSession>> writes_;
-  absl::flat_hash_map<uint64_t, std::shared_ptr<ReadSession>> reads_;
-  bool draining_ = false;                               // guarded by mu_
-  absl::Time drain_deadline_ = absl::InfiniteFuture();  // guarded by mu_
-  bool stopped_ = false;                                // guarded by mu_
+  // Guards the session tables and, within each session, what the loop
+  // thread and the worker pool share (its slots, error and claim).
+  mutable Mutex mu_;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<WriteSession>> writes_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::shared_ptr<ReadSession>> reads_
+      ABSL_GUARDED_BY(mu_);
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time drain_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<uint32_t> connection_count_{0};
   std::atomic<uint32_t> buffer_key_count_{0};
   std::atomic<uint64_t> pulled_blocks_{0};
