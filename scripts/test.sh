@@ -2,8 +2,10 @@
 # The whole test suite from a fresh Debian 12 machine: installs what is
 # missing, builds, runs every ctest test (unit, integration, process and
 # metrics tests), the verifying soak (kvcache-soak), every ctest test and
-# the soak again under AddressSanitizer + UndefinedBehaviorSanitizer, the
-# store stress test and the UCX data-plane tests under ThreadSanitizer, a local
+# the soak again under AddressSanitizer + UndefinedBehaviorSanitizer, a clang
+# build of every target with the thread-safety annotations checked as errors
+# (built with ThreadSanitizer), the store stress test, the cluster client's
+# tests and the UCX data-plane tests under ThreadSanitizer, a local
 # observability run (real nodes, a real Prometheus, asserted by a test) and
 # the offline deployment checks. Exits non-zero on any failure.
 set -euo pipefail
@@ -47,10 +49,14 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
 stamp
 
-echo "== ThreadSanitizer: the store stress test and UCX data-plane tests"
-cmake -S "$root" -B "$root/build-tsan" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DKVCACHE_TSAN=ON -DKVCACHE_CUDA=OFF -DKVCACHE_BUILD_BENCH=OFF >/dev/null
-cmake --build "$root/build-tsan" -j "$(nproc)" --target store_test ucx_test
+echo "== clang: the thread-safety build (-Wthread-safety -Werror) under ThreadSanitizer"
+# Every target, compiled by clang with the annotations of base/mutex.h
+# checked as errors; the same build runs the TSan tests below.
+CC=clang-14 CXX=clang++-14 cmake -S "$root" -B "$root/build-tsan" -G Ninja \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVCACHE_TSAN=ON -DKVCACHE_THREAD_SAFETY=ON \
+  -DKVCACHE_CUDA=OFF -DKVCACHE_BUILD_BENCH=OFF >/dev/null
+cmake --build "$root/build-tsan" -j "$(nproc)"
+stamp
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$supp/tsan.supp"
 # UCX's memory hooks (malloc/mmap events) crash under TSan's interceptors.
 export UCX_MEM_EVENTS=no
