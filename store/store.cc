@@ -279,6 +279,8 @@ Store::Store(const StoreOptions& options, std::unique_ptr<Arena> arena)
       pool_(arena_.get(), header_slab_bytes_,
             arena_->size() - header_slab_bytes_, options.page_size),
       shards_(std::make_unique<Shard[]>(kNumShards)) {
+  // The memory per cached block that store.h states.
+  static_assert(sizeof(Entry) == 88, "store.h: an index entry is 88 bytes");
   for (size_t s = 0; s < kNumShards; ++s) {
     shards_[s].id = static_cast<uint8_t>(s);
   }
