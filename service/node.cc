@@ -36,37 +36,7 @@ absl::Status Node::Start() {
                     : static_cast<int>(std::thread::hardware_concurrency());
   workers_ = std::make_unique<ThreadPool>(threads);
   if (options_.data_plane == DataPlaneMode::kUcx) {
-    absl::StatusOr<std::unique_ptr<ucx::DataPlane>> plane =
-        ucx::DataPlane::Start(
-            options_.ucx, store_.get(),
-            [pool = workers_.get()](std::function<void()> work) {
-              pool->Schedule(std::move(work));
-            },
-            [metrics = metrics_.get()](bool inbound, uint64_t bytes) {
-              metrics->RecordTransfer(inbound ? "in" : "out", "ucx", bytes);
-            });
-    if (!plane.ok()) {
-      return absl::Status(
-          plane.status().code(),
-          absl::StrCat("cannot start the UCX data plane on ",
-                       options_.ucx.listen, ": ", plane.status().message()));
-    }
-    data_plane_ = *std::move(plane);
-    metrics_->SetDataPlaneSource([plane = data_plane_.get()] {
-      ucx::DataPlaneStats s = plane->Stats();
-      Metrics::DataPlaneGauges g;
-      g.staging_capacity_bytes = s.staging_capacity_bytes;
-      g.staging_used_bytes = s.staging_used_bytes;
-      g.staging_cached_bytes = s.staging_cached_bytes;
-      g.connections = s.connections;
-      g.write_sessions = s.write_sessions;
-      g.read_sessions = s.read_sessions;
-      g.rejected_connections = s.rejected_connections;
-      g.buffer_keys = s.buffer_keys;
-      g.pulled_blocks = s.pulled_blocks;
-      g.message_reads = s.message_reads;
-      return g;
-    });
+    if (absl::Status s = StartDataPlane(); !s.ok()) return s;
   }
   service_ = std::make_unique<KvCacheServiceImpl>(
       store_.get(), metrics_.get(), workers_.get(), data_plane_.get());
@@ -76,7 +46,54 @@ absl::Status Node::Start() {
     if (!port.ok()) return port.status();
     metrics_port_ = *port;
   }
+  if (absl::Status s = StartServers(); !s.ok()) return s;
+  reaper_ = std::thread([this] { ReaperLoop(); });
+  for (grpc::Server* s : {server_.get(), health_server_.get()}) {
+    if (s == nullptr) continue;
+    s->GetHealthCheckService()->SetServingStatus(true);
+    s->GetHealthCheckService()->SetServingStatus("kvcache.v1.KvCache", true);
+  }
+  metrics_->SetReady(true);
+  started_ = true;
+  LogStarted(arena_description);
+  return absl::OkStatus();
+}
 
+absl::Status Node::StartDataPlane() {
+  absl::StatusOr<std::unique_ptr<ucx::DataPlane>> plane = ucx::DataPlane::Start(
+      options_.ucx, store_.get(),
+      [pool = workers_.get()](std::function<void()> work) {
+        pool->Schedule(std::move(work));
+      },
+      [metrics = metrics_.get()](bool inbound, uint64_t bytes) {
+        metrics->RecordTransfer(inbound ? "in" : "out", "ucx", bytes);
+      });
+  if (!plane.ok()) {
+    return absl::Status(
+        plane.status().code(),
+        absl::StrCat("cannot start the UCX data plane on ", options_.ucx.listen,
+                     ": ", plane.status().message()));
+  }
+  data_plane_ = *std::move(plane);
+  metrics_->SetDataPlaneSource([plane = data_plane_.get()] {
+    ucx::DataPlaneStats s = plane->Stats();
+    Metrics::DataPlaneGauges g;
+    g.staging_capacity_bytes = s.staging_capacity_bytes;
+    g.staging_used_bytes = s.staging_used_bytes;
+    g.staging_cached_bytes = s.staging_cached_bytes;
+    g.connections = s.connections;
+    g.write_sessions = s.write_sessions;
+    g.read_sessions = s.read_sessions;
+    g.rejected_connections = s.rejected_connections;
+    g.buffer_keys = s.buffer_keys;
+    g.pulled_blocks = s.pulled_blocks;
+    g.message_reads = s.message_reads;
+    return g;
+  });
+  return absl::OkStatus();
+}
+
+absl::Status Node::StartServers() {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -102,34 +119,30 @@ absl::Status Node::Start() {
           "cannot listen for health checks on ", options_.health_listen));
     }
   }
-  reaper_ = std::thread([this] { ReaperLoop(); });
-  for (grpc::Server* s : {server_.get(), health_server_.get()}) {
-    if (s == nullptr) continue;
-    s->GetHealthCheckService()->SetServingStatus(true);
-    s->GetHealthCheckService()->SetServingStatus("kvcache.v1.KvCache", true);
+  return absl::OkStatus();
+}
+
+void Node::LogStarted(absl::string_view arena_description) const {
+  std::string plane;
+  if (data_plane_ != nullptr) {
+    const ucx::TcpSegments& segments = data_plane_->tcp_segments();
+    plane =
+        absl::StrCat(", UCX data plane on port ", data_plane_->port(),
+                     " (staging ", options_.ucx.staging_bytes, " bytes",
+                     segments.in_use()
+                         ? absl::StrCat(", TCP segments tx ", segments.tx_bytes,
+                                        " rx ", segments.rx_bytes)
+                         : std::string(),
+                     ")");
   }
-  metrics_->SetReady(true);
-  started_ = true;
   LogInfo(absl::StrCat(
       "kvcache-node serving gRPC on port ", port_,
       health_port_ ? absl::StrCat(", health on port ", health_port_)
                    : std::string(),
       metrics_port_ ? absl::StrCat(", metrics on port ", metrics_port_)
                     : std::string(),
-      data_plane_
-          ? absl::StrCat(
-                ", UCX data plane on port ", data_plane_->port(), " (staging ",
-                options_.ucx.staging_bytes, " bytes",
-                data_plane_->tcp_segments().in_use()
-                    ? absl::StrCat(", TCP segments tx ",
-                                   data_plane_->tcp_segments().tx_bytes, " rx ",
-                                   data_plane_->tcp_segments().rx_bytes)
-                    : std::string(),
-                ")")
-          : std::string(),
-      "; ", arena_description, ", page size ", options_.store.page_size,
+      plane, "; ", arena_description, ", page size ", options_.store.page_size,
       ", default codec ", kernels::CodecName(options_.store.default_codec)));
-  return absl::OkStatus();
 }
 
 void Node::ReaperLoop() {

@@ -19,6 +19,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "base/mutex.h"
 #include "base/notification.h"
@@ -75,6 +76,11 @@ class Node {
   Metrics* metrics() { return metrics_.get(); }
 
  private:
+  // Start's steps: the UCX data plane (before the gRPC server, which hands
+  // it sessions), then the gRPC and health servers.
+  absl::Status StartDataPlane();
+  absl::Status StartServers();
+  void LogStarted(absl::string_view arena_description) const;
   void ReaperLoop();
 
   NodeOptions options_;
