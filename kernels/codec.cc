@@ -28,6 +28,9 @@ using FindNonFiniteFn = size_t (*)(const uint16_t*, size_t);
 // a section fit in 32 bits (the CUDA kernels rely on it).
 constexpr uint64_t kMaxSectionElements = uint64_t{1} << 31;
 constexpr uint64_t kMaxBlockBytes = uint64_t{1} << 44;
+// Per-layer work (SectionPlan, layer offsets) is linear in num_layers: this
+// bounds what validating one layout can cost (models have a few hundred).
+constexpr uint64_t kMaxLayers = 4096;
 
 bool ValidCodec(Codec c) {
   for (Codec k : kAllCodecs) {
@@ -215,8 +218,8 @@ absl::Status ValidatePolicy(const BlockShape& shape,
         " head_dim=", D, " tokens_per_block=", T));
   }
   // T*H*D < 2^96 here, but check step by step to stay within 64 bits.
-  if (T * H >= kMaxSectionElements || T * H * D >= kMaxSectionElements ||
-      L * 4 * T * H * D > kMaxBlockBytes) {
+  if (L > kMaxLayers || T * H >= kMaxSectionElements ||
+      T * H * D >= kMaxSectionElements || L * 4 * T * H * D > kMaxBlockBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "block shape too large: num_layers=", L, " num_kv_heads=", H,
         " head_dim=", D, " tokens_per_block=", T));

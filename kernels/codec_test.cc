@@ -125,6 +125,8 @@ TEST(ValidatePolicyTest, RejectsBadPolicies) {
   add("zero dim", {4, 8, 0, 32}, none, "zero dimension");
   add("zero tokens", {4, 8, 128, 0}, none, "zero dimension");
   add("huge", {1u << 20, 1u << 10, 1u << 10, 1u << 10}, none, "too large");
+  add("too many layers", {4097, 1, 32, 32}, none, "too large");
+  add("layers past 32 bits", {0xFFFFFFFFu, 1, 32, 32}, none, "too large");
   CodecPolicy p;
   p.codec = static_cast<Codec>(9);
   add("unknown codec", shape, p, "unknown codec");
@@ -245,7 +247,8 @@ TEST(LayerPolicyTest, EachLayerEncodesAndDecodesAlone) {
       const CodecPolicy lp = LayerPolicy(shape, policy, l);
       ASSERT_TRUE(ValidatePolicy(one, lp).ok()) << "layer " << l;
       const size_t bytes = EncodedBlockBytes(one, lp);
-      EXPECT_EQ(offsets[l], offset) << CodecName(policy.codec) << " layer " << l;
+      EXPECT_EQ(offsets[l], offset)
+          << CodecName(policy.codec) << " layer " << l;
       ASSERT_LE(offset + bytes, whole.bytes.size());
       std::vector<uint16_t> slice(in.begin() + l * layer_elems,
                                   in.begin() + (l + 1) * layer_elems);
@@ -263,6 +266,15 @@ TEST(LayerPolicyTest, EachLayerEncodesAndDecodesAlone) {
     }
     EXPECT_EQ(offset, whole.bytes.size()) << CodecName(policy.codec);
   }
+}
+
+// The largest layer count a layout may have is validated as cheaply as
+// any other (per-layer plans are linear in it).
+TEST(CodecApiTest, AcceptsUpTo4096Layers) {
+  CodecPolicy kivi;
+  kivi.codec = Codec::kKivi2;
+  EXPECT_TRUE(ValidatePolicy({4096, 1, 32, 32}, kivi).ok());
+  EXPECT_EQ(EncodedLayerOffsets({4096, 1, 32, 32}, kivi).size(), 4097u);
 }
 
 TEST(CodecApiTest, RejectsWrongSizes) {

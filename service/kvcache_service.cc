@@ -52,6 +52,21 @@ std::vector<std::string> Keys(
 
 absl::Duration Millis(uint32_t ms) { return absl::Milliseconds(ms); }
 
+// INVALID_ARGUMENT for a value outside the enum (a newer client's format
+// must not be served as another).
+absl::StatusOr<store::ReadFormat> ReadFormatFromProto(
+    const v1::BeginReadRequest& request) {
+  switch (request.format()) {
+    case v1::READ_FORMAT_FP16:
+      return store::ReadFormat::kFp16;
+    case v1::READ_FORMAT_RAW:
+      return store::ReadFormat::kRaw;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown read format ", request.format()));
+  }
+}
+
 // The store's options for a BeginRead request, with no lease kept.
 store::ReadOptions ReadOptionsFromProto(const v1::BeginReadRequest& request,
                                         store::ReadFormat format) {
@@ -371,16 +386,15 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
     grpc::CallbackServerContext* ctx, const v1::BeginReadRequest* request,
     v1::BeginReadResponse* response) {
   return Run(ctx, "begin_read", true, [=]() -> absl::Status {
-    store::ReadFormat format = request->format() == v1::READ_FORMAT_RAW
-                                   ? store::ReadFormat::kRaw
-                                   : store::ReadFormat::kFp16;
+    absl::StatusOr<store::ReadFormat> format = ReadFormatFromProto(*request);
+    if (!format.ok()) return format.status();
     // Without a data plane a node answers inline whatever was asked.
     if (!request->inline_data() && data_plane_ != nullptr) {
-      return BeginDataPlaneRead(request, format, response);
+      return BeginDataPlaneRead(request, *format, response);
     }
     absl::StatusOr<store::ReadResult> r =
         store_->BeginRead(request->namespace_name(), Keys(request->keys()),
-                          ReadOptionsFromProto(*request, format));
+                          ReadOptionsFromProto(*request, *format));
     if (!r.ok()) return r.status();
     DescribeRead(*r, response);
     uint64_t bytes = 0;

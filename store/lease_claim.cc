@@ -50,8 +50,8 @@ uint64_t WriteClaim::Release() {
 
 void WriteClaim::AbortIfHeld() {
   if (store_ == nullptr) return;
-  // A dropped claim is abandoned work: NOT_FOUND (the lease expired or was
-  // ended by its id) and FAILED_PRECONDITION (a commit or StageBlock is
+  // A dropped claim is abandoned work: FAILED_PRECONDITION (the lease
+  // expired or was ended by its id) and ABORTED (a commit or StageBlock is
   // using it; the store's TTL then ends it) leave nothing for us to undo.
   store_->AbortWrite(std::exchange(id_, 0)).IgnoreError();
   store_ = nullptr;
@@ -100,7 +100,7 @@ uint64_t ReadClaim::Release() {
 
 void ReadClaim::EndIfHeld() {
   if (store_ == nullptr) return;
-  // NOT_FOUND is the only error: the lease expired by its TTL, or a
+  // FAILED_PRECONDITION is the only error: the lease expired by its TTL, or a
   // BeginRead took it over, or it was ended by its id. Nothing is pinned
   // for it any more either way.
   store_->EndLease(std::exchange(id_, 0)).IgnoreError();

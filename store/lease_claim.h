@@ -18,8 +18,8 @@
 //    claim, ends it) and returns its id.
 //  * Taking a claim looks nothing up: a claim for an unknown or expired id
 //    is allowed, and its operations answer as the id-based calls would
-//    (NOT_FOUND, FAILED_PRECONDITION). Claims are not recorded in the table;
-//    the code that hands out ids (one data-plane session per lease, one
+//    (FAILED_PRECONDITION for a stale lease). Claims are not recorded in the
+//    table; the code that hands out ids (one data-plane session per lease, one
 //    RPC per call) keeps at most one claim per lease.
 //
 // Thread safety: a claim is one object with one owner; its methods must not
@@ -63,8 +63,8 @@ class WriteClaim {
   // lease, if any, is left to its TTL or to whoever is using it.
   absl::StatusOr<CommitResult> Commit(
       absl::Span<const Store::Payload> payloads);
-  // Store::AbortWrite; the claim is empty afterwards. NOT_FOUND: the lease
-  // had expired or ended. FAILED_PRECONDITION: it is being committed or
+  // Store::AbortWrite; the claim is empty afterwards. FAILED_PRECONDITION:
+  // the lease had expired or ended. ABORTED: it is being committed or
   // staged, and stays until its TTL.
   absl::Status Abort();
   // Hands the lease back to the table, where its TTL ends it unless another
@@ -100,11 +100,11 @@ class ReadClaim {
   bool held() const { return store_ != nullptr; }
 
   // Store::HoldReadLease: the lease no longer expires by its TTL, so that
-  // it ends only by this claim. The claim still holds it. NOT_FOUND: the
-  // lease had expired or ended.
+  // it ends only by this claim. The claim still holds it.
+  // FAILED_PRECONDITION: the lease had expired or ended.
   absl::Status Hold();
-  // Store::EndLease; the claim is empty afterwards. NOT_FOUND: the lease had
-  // expired or ended.
+  // Store::EndLease; the claim is empty afterwards. FAILED_PRECONDITION: the
+  // lease had expired or ended.
   absl::Status End();
   // Hands the lease back to the table (its TTL, EndLease or a BeginRead
   // taking the pin over ends it); returns its id (0 when empty).

@@ -10,6 +10,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/echo.h"
 // XXH3_state_t on the stack (its layout is that of the installed header).
 #define XXH_STATIC_LINKING_ONLY
 #include "xxhash.h"
@@ -159,6 +160,7 @@ struct Store::Shard {
 };
 
 struct Store::ReadLease {
+  uint16_t ns_id = 0;           // a BeginRead of another namespace refuses it
   std::vector<Entry*> entries;  // each holds one pin of this lease
   absl::Time deadline;
   bool held = false;  // HoldReadLease: ends only by EndLease
@@ -190,8 +192,9 @@ absl::Status ValidateName(absl::string_view name) {
               (c >= '0' && c <= '9') || c == '.' || c == '_' || c == ':' ||
               c == '/' || c == '-';
     if (!ok) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "namespace name '", name, "' may hold only [A-Za-z0-9._:/-]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("namespace name '", EchoForError(name),
+                       "' may hold only [A-Za-z0-9._:/-]"));
     }
   }
   return absl::OkStatus();
@@ -379,7 +382,7 @@ absl::StatusOr<Store::Namespace*> Store::FindNamespace(
     if (namespaces_[i]->info.config.name == name) return namespaces_[i].get();
   }
   return absl::NotFoundError(
-      absl::StrCat("namespace '", name, "' is not registered"));
+      absl::StrCat("namespace '", EchoForError(name), "' is not registered"));
 }
 
 Store::Namespace* Store::NamespaceById(uint16_t id) const {
@@ -627,7 +630,8 @@ absl::Status Store::EndLease(uint64_t lease_id) {
   {
     MutexLock lock(&lease_mu_);
     if (!read_leases_.contains(lease_id)) {
-      return absl::NotFoundError("read lease is unknown or has expired");
+      return absl::FailedPreconditionError(
+          "read lease is unknown or has expired");
     }
   }
   ReleaseReadLease(lease_id);
@@ -673,6 +677,7 @@ absl::StatusOr<LookupResult> Store::Lookup(const std::string& ns_name,
   lookup_misses_ += keys.size() - found.size();
   if (pin && !found.empty()) {
     auto lease = std::make_unique<ReadLease>();
+    lease->ns_id = (*ns)->id;
     lease->deadline = LeaseDeadline(ttl);
     lease->entries = std::move(found);
     MutexLock lock(&lease_mu_);
@@ -1009,13 +1014,17 @@ absl::Status Store::AbortWrite(uint64_t write_id) {
     MutexLock lock(&lease_mu_);
     auto it = write_leases_.find(write_id);
     if (it == write_leases_.end()) {
-      return absl::NotFoundError("write lease is unknown or has expired");
+      return absl::FailedPreconditionError(
+          "write lease is unknown or has expired");
     }
+    // ABORTED, not FAILED_PRECONDITION: the write is live and ends with the
+    // call using it (or by its TTL); a caller that must know when nothing
+    // reads its bytes any more asks again.
     if (it->second->committing) {
-      return absl::FailedPreconditionError("write lease is being committed");
+      return absl::AbortedError("write lease is being committed; try again");
     }
     if (it->second->staging > 0) {
-      return absl::FailedPreconditionError(
+      return absl::AbortedError(
           "blocks of this write are being staged; abort after they finish");
     }
   }
@@ -1262,9 +1271,15 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
   Namespace* ns = *found_ns;
   if (options.pin_lease_id != 0) {
     MutexLock lock(&lease_mu_);
-    if (!read_leases_.contains(options.pin_lease_id)) {
+    auto pin = read_leases_.find(options.pin_lease_id);
+    if (pin == read_leases_.end()) {
       return absl::FailedPreconditionError(
           "pin lease is unknown or has expired");
+    }
+    // Taking a pin over releases it: only a read of its own namespace may.
+    if (pin->second->ns_id != ns->id) {
+      return absl::FailedPreconditionError(
+          "pin lease belongs to another namespace");
     }
   }
   ReadResult result;
@@ -1317,6 +1332,7 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
     return result;
   }
   auto lease = std::make_unique<ReadLease>();
+  lease->ns_id = ns->id;
   lease->entries = std::move(entries);
   lease->deadline = LeaseDeadline(options.ttl);
   result.deadline = lease->deadline;

@@ -64,10 +64,10 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "base/mutex.h"
 #include "kernels/codec.h"
 #include "store/arena.h"
 #include "store/block_header.h"
-#include "base/mutex.h"
 #include "store/page_pool.h"
 
 namespace kvcache::store {
@@ -265,6 +265,10 @@ class Store {
   // this batch becomes visible and the write lease is released.
   absl::StatusOr<CommitResult> CommitWrite(uint64_t write_id,
                                            absl::Span<const Payload> payloads);
+  // Releases an open write and its reserved pages. FAILED_PRECONDITION for
+  // an unknown, expired, committed or aborted id (a stale lease); ABORTED
+  // while a CommitWrite or StageBlock is using it (it then ends with that
+  // call, or by its TTL).
   absl::Status AbortWrite(uint64_t write_id);
 
   // Encodes block `index` of an open write into its reserved pages now, so
@@ -281,7 +285,8 @@ class Store {
 
   // Pins the blocks of `keys`, verifies and copies them out in
   // options.format. A nonzero options.pin_lease_id must name a live read
-  // lease (else FAILED_PRECONDITION), which ends once the blocks are pinned.
+  // lease of the same namespace (else FAILED_PRECONDITION), which ends once
+  // the blocks are pinned.
   // With keep_lease == false the pins are released before returning and
   // lease_id is 0; with keep_lease they stay under a new read lease of
   // options.ttl. Without allow_missing every key must be stored (NOT_FOUND
@@ -298,12 +303,13 @@ class Store {
   absl::StatusOr<ReadResult> BeginRead(const std::string& ns,
                                        absl::Span<const std::string> keys,
                                        const ReadOptions& options);
-  // Ends a read lease or a Lookup pin. NOT_FOUND for an unknown or expired id.
+  // Ends a read lease or a Lookup pin. FAILED_PRECONDITION for an unknown or
+  // expired id (a stale lease, BRIEF section 5).
   absl::Status EndLease(uint64_t lease_id);
   // Hands a read lease to a holder that bounds its life itself (a data-plane
   // transfer sending from the pinned pages): the lease no longer expires by
-  // its TTL and ends only by EndLease. NOT_FOUND for an unknown or expired
-  // id.
+  // its TTL and ends only by EndLease. FAILED_PRECONDITION for an unknown or
+  // expired id.
   absl::Status HoldReadLease(uint64_t lease_id);
 
   absl::StatusOr<uint32_t> Delete(const std::string& ns,

@@ -3,6 +3,8 @@
 // gRPC stub.
 #include "service/node.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <cstring>
 #include <thread>
@@ -504,6 +506,100 @@ TEST_F(NodeTest, BadInputGetsExactCodesAndLosesNothing) {
   ExpectIntact("ns", 0, 4);
   auto stats = client_->Stats();
   EXPECT_EQ(stats->reserved_bytes, 0u);
+}
+
+// Requests a hostile client can send: the codes are BRIEF section 5's, a
+// cheap request costs the node little, and a pin of one namespace cannot be
+// taken over (and released) by a read of another.
+TEST_F(NodeTest, HostileRequestsGetBriefCodesAndCostLittle) {
+  ASSERT_TRUE(client_->RegisterNamespace(Spec("a", Codec::kNone)).ok());
+  ASSERT_TRUE(client_->RegisterNamespace(Spec("b", Codec::kNone)).ok());
+  ASSERT_TRUE(PutChain("a", 0, 2).ok());
+  ASSERT_TRUE(PutChain("b", 0, 2).ok());
+  auto raw = [&](auto call) {
+    return RawCall([&](grpc::ClientContext* ctx) { return call(ctx); });
+  };
+
+  // A forged or stale lease id is FAILED_PRECONDITION on every RPC.
+  v1::EndReadRequest end;
+  end.set_lease_id(0xdeadbeef);
+  v1::EndReadResponse end_response;
+  EXPECT_EQ(raw([&](grpc::ClientContext* ctx) {
+              return stub_->EndRead(ctx, end, &end_response);
+            }).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  v1::AbortWriteRequest abort;
+  abort.set_write_id(0xdeadbeef);
+  v1::AbortWriteResponse abort_response;
+  EXPECT_EQ(raw([&](grpc::ClientContext* ctx) {
+              return stub_->AbortWrite(ctx, abort, &abort_response);
+            }).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+
+  // An unknown read format is refused, not read as fp16.
+  v1::BeginReadRequest read;
+  read.set_namespace_name("a");
+  read.add_keys(Key(0));
+  read.set_inline_data(true);
+  read.set_format(static_cast<v1::ReadFormat>(77));
+  v1::BeginReadResponse read_response;
+  EXPECT_EQ(raw([&](grpc::ClientContext* ctx) {
+              return stub_->BeginRead(ctx, read, &read_response);
+            }).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+
+  // A Lookup pin of namespace a, named by a read of namespace b: refused,
+  // and the pin still holds (its owner can still end it).
+  auto pin = client_->Lookup("a", Keys(0, 2), /*pin=*/true);
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  ASSERT_NE(pin->pin_lease, 0u);
+  read.set_namespace_name("b");
+  read.set_format(v1::READ_FORMAT_FP16);
+  read.set_pin_lease_id(pin->pin_lease);
+  EXPECT_EQ(raw([&](grpc::ClientContext* ctx) {
+              return stub_->BeginRead(ctx, read, &read_response);
+            }).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_TRUE(client_->Release(pin->pin_lease).ok());
+
+  // A 512 KiB name is refused with a short message (it must fit a client's
+  // metadata limit): the name is not echoed whole.
+  NamespaceSpec long_name = Spec(std::string(512 << 10, 'n'), Codec::kNone);
+  absl::Status refused = client_->RegisterNamespace(long_name).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_LT(refused.message().size(), 512u);
+  absl::Status missing =
+      client_->Lookup(std::string(512 << 10, 'n'), Keys(0, 1)).status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound) << missing;
+  EXPECT_LT(missing.message().size(), 512u);
+
+  // Layouts whose blocks could never fit are refused before the node
+  // allocates anything for them, whatever the field's width.
+  struct rusage before;
+  getrusage(RUSAGE_SELF, &before);
+  for (uint32_t layers : {uint32_t{1} << 24, uint32_t{1} << 31, UINT32_MAX}) {
+    v1::RegisterNamespaceRequest reg;
+    reg.mutable_spec()->set_name(absl::StrCat("huge", layers));
+    reg.mutable_spec()->mutable_layout()->set_num_layers(layers);
+    reg.mutable_spec()->mutable_layout()->set_num_kv_heads(1);
+    reg.mutable_spec()->mutable_layout()->set_head_dim(32);
+    reg.mutable_spec()->mutable_layout()->set_tokens_per_block(32);
+    reg.mutable_spec()->mutable_codec_policy()->set_codec(v1::CODEC_KIVI2);
+    v1::RegisterNamespaceResponse reg_response;
+    EXPECT_EQ(raw([&](grpc::ClientContext* ctx) {
+                return stub_->RegisterNamespace(ctx, reg, &reg_response);
+              }).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT)
+        << layers;
+  }
+  struct rusage after;
+  getrusage(RUSAGE_SELF, &after);
+  EXPECT_LT(after.ru_maxrss - before.ru_maxrss, 64 << 10)  // KiB
+      << "peak RSS grew by " << (after.ru_maxrss - before.ru_maxrss)
+      << " KiB for three refused registrations";
+
+  ExpectIntact("a", 0, 2);
+  ExpectIntact("b", 0, 2);
 }
 
 TEST_F(NodeTest, FullPoolIsResourceExhaustedWithARetryHint) {

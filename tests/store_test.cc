@@ -605,7 +605,8 @@ TEST(StoreTest, PinnedBlocksAreNotEvictedAndFullPoolIsResourceExhausted) {
   EXPECT_EQ(
       store->Lookup("ns", {Key(1)}, false, absl::ZeroDuration())->prefix_blocks,
       1u);
-  EXPECT_EQ(store->EndLease(pin->lease_id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->EndLease(pin->lease_id).code(),
+            absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(store->EndLease(pin2->lease_id).ok());
 }
 
@@ -643,7 +644,7 @@ TEST(StoreTest, AHeldReadLeaseEndsOnlyByEndLease) {
   EXPECT_EQ(store->Stats().active_read_leases, 1u);
   EXPECT_GT(store->Stats().pinned_bytes, 0u);
   EXPECT_EQ(store->HoldReadLease(other->lease_id).code(),
-            absl::StatusCode::kNotFound);
+            absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(store->EndLease(held->lease_id).ok());
   EXPECT_EQ(store->Stats().pinned_bytes, 0u);
   EXPECT_EQ(store->Stats().active_read_leases, 0u);
@@ -674,7 +675,8 @@ TEST(LeaseClaimTest, AWriteClaimDroppedWithoutCommitAbortsAndFreesItsPages) {
   StoreStats s = store->Stats();
   EXPECT_EQ(s.reserved_bytes, 0u);
   EXPECT_EQ(s.active_write_leases, 0u);
-  EXPECT_EQ(store->AbortWrite(write_id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->AbortWrite(write_id).code(),
+            absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(s.expired_leases, 0u) << "aborted, not expired";
 }
 
@@ -758,7 +760,7 @@ TEST(LeaseClaimTest, AReadClaimDroppedEndsTheLeaseAndItsPins) {
   EXPECT_EQ(s.active_read_leases, 0u);
   EXPECT_EQ(s.pinned_bytes, 0u);
   EXPECT_EQ(store->EndLease(read->lease_id).code(),
-            absl::StatusCode::kNotFound);
+            absl::StatusCode::kFailedPrecondition);
 }
 
 // A held read claim outlives the lease's TTL; End (or dropping it) ends it,
@@ -777,8 +779,8 @@ TEST(LeaseClaimTest, AHeldReadClaimEndsOnlyByItsClaim) {
   ASSERT_TRUE(held_claim.Hold().ok());
   EXPECT_TRUE(held_claim.held()) << "holding keeps the claim";
   EXPECT_EQ(store->ExpireLeases(absl::Now() + absl::Seconds(1)), 1);
-  EXPECT_EQ(other_claim.Hold().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(other_claim.End().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(other_claim.Hold().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(other_claim.End().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(store->Stats().active_read_leases, 1u);
   EXPECT_TRUE(held_claim.End().ok());
   EXPECT_EQ(store->Stats().active_read_leases, 0u);
