@@ -305,9 +305,22 @@ void Metrics::RecordTransfer(absl::string_view direction,
       .Increment(static_cast<double>(bytes));
 }
 
+namespace {
+constexpr int kMetricsThreads = 8;
+constexpr absl::Duration kMetricsRequestTimeout = absl::Seconds(2);
+}  // namespace
+
 absl::StatusOr<int> Metrics::Serve(const std::string& listen) {
   try {
-    exposer_ = std::make_unique<prometheus::Exposer>(listen);
+    // civetweb gives each connection a thread until its request has
+    // arrived: with its defaults (2 threads, 30 s) two idle connections stop
+    // every scrape for 30 s. More threads than scrapers plus a short
+    // request timeout keep /metrics answering with idle and slow
+    // connections open; no connection holds a thread for longer than it.
+    exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+        "listening_ports", listen, "num_threads", absl::StrCat(kMetricsThreads),
+        "request_timeout_ms",
+        absl::StrCat(absl::ToInt64Milliseconds(kMetricsRequestTimeout))});
   } catch (const std::exception& e) {
     return absl::UnavailableError(
         absl::StrCat("cannot serve metrics on ", listen, ": ", e.what()));

@@ -695,6 +695,32 @@ TEST_F(NodeTest, MetricsExposeCapacityRequestsAndCodecs) {
   }
 }
 
+// Connections that never send a request (a port scanner, a stuck scraper)
+// must not stop /metrics: Prometheus would see the node down while it
+// serves. HttpGet gives up after 5 s; an idle connection used to hold one of
+// the exposer's two threads for 30 s.
+TEST_F(NodeTest, MetricsAnswerWithIdleConnectionsOpen) {
+  std::vector<std::unique_ptr<kvcache::testing::ScopedFd>> idle;
+  for (int i = 0; i < 4; ++i) {
+    auto fd = std::make_unique<kvcache::testing::ScopedFd>(
+        socket(AF_INET, SOCK_STREAM, 0));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(node_->metrics_port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd->get(), reinterpret_cast<sockaddr*>(&addr),
+                      sizeof(addr)),
+              0);
+    idle.push_back(std::move(fd));
+  }
+  absl::SleepFor(absl::Milliseconds(200));  // the server has accepted them
+  for (int i = 0; i < 3; ++i) {
+    auto body = kvcache::testing::HttpGet(node_->metrics_port(), "/metrics");
+    ASSERT_TRUE(body.ok()) << "scrape " << i << ": " << body.status();
+    EXPECT_NE(body->find("kvcache_ready 1"), std::string::npos);
+  }
+}
+
 TEST_F(NodeTest, DrainFinishesAndThenRefuses) {
   ASSERT_TRUE(client_->RegisterNamespace(Spec("ns", Codec::kNone)).ok());
   ASSERT_TRUE(PutChain("ns", 0, 1).ok());
