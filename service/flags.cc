@@ -140,6 +140,8 @@ absl::Status ApplyFlag(absl::string_view name, absl::string_view value,
     o.ucx.staging_bytes = *bytes;
   } else if (name == "drain-timeout") {
     return parse_seconds(&o.drain_timeout);
+  } else if (name == "drain-notice") {
+    return parse_seconds(&out->drain_notice);
   } else if (name == "workers") {
     uint64_t v = 0;
     if (absl::Status s = parse_uint(&v); !s.ok()) return s;
@@ -194,7 +196,10 @@ Usage: kvcache-node [--flag=value ...]
                                 until commit, read copies until sent
                                 (default 256MiB)
   --drain-timeout=SECONDS       on SIGTERM, how long in-flight calls may
-                                finish (default 20)
+                                finish, notice included (default 20)
+  --drain-notice=SECONDS        on SIGTERM, how long every port answers
+                                health NOT_SERVING (and still serves)
+                                before it closes (default 1)
   --workers=N                   threads for encode/decode (default: cores)
   --config=FILE                 read more flags, one --flag=value per line
   --help                        this text

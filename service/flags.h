@@ -7,12 +7,15 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "service/node.h"
 
 namespace kvcache::service {
 
 struct ParsedFlags {
   NodeOptions options;
+  // Node::Drain's notice on SIGTERM (--drain-notice).
+  absl::Duration drain_notice = absl::Seconds(1);
   bool help = false;
 };
 

@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "service/flags.h"
 #include "base/log.h"
+#include "service/flags.h"
 #include "service/node.h"
 
 int main(int argc, char** argv) {
@@ -40,6 +40,6 @@ int main(int argc, char** argv) {
   sigwait(&stop_signals, &signal_number);
   kvcache::LogInfo(
       absl::StrCat("received signal ", signal_number, ", draining"));
-  node.Drain();
+  node.Drain(flags->drain_notice);
   return 0;
 }

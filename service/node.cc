@@ -1,5 +1,6 @@
 #include "service/node.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -156,10 +157,11 @@ void Node::ReaperLoop() {
   }
 }
 
-void Node::Drain() {
+void Node::Drain(absl::Duration notice) {
   MutexLock lock(&drain_mu_);
   if (drained_) return;
   drained_ = true;
+  const absl::Time deadline = absl::Now() + options_.drain_timeout;
   if (metrics_ != nullptr) metrics_->SetReady(false);
   for (grpc::Server* s : {server_.get(), health_server_.get()}) {
     if (s == nullptr) continue;
@@ -167,12 +169,13 @@ void Node::Drain() {
   }
   if (data_plane_ != nullptr) {
     // No new sessions; commits waiting for bytes end by the drain deadline.
-    data_plane_->BeginDrain(absl::Now() + options_.drain_timeout);
+    data_plane_->BeginDrain(deadline);
   }
   if (server_ != nullptr) {
     if (started_) LogInfo("draining: health NOT_SERVING, finishing calls");
-    server_->Shutdown(std::chrono::system_clock::now() +
-                      absl::ToChronoSeconds(options_.drain_timeout));
+    // Every port still answers (NOT_SERVING) during the notice.
+    absl::SleepFor(std::min(notice, options_.drain_timeout));
+    server_->Shutdown(absl::ToChronoTime(deadline));
     server_->Wait();
   }
   // The data plane stops before the pool: it schedules commits there. Work

@@ -3,9 +3,12 @@
 // probes, the /metrics endpoint and the lease reaper — and its lifecycle.
 //
 // Lifecycle: Start() binds everything and turns health SERVING. Drain()
-// turns health NOT_SERVING (so probes and clients stop sending), lets
-// in-flight calls finish for up to drain_timeout, cancels what is left and
-// stops every server. Drain is idempotent and is called by the destructor.
+// turns health NOT_SERVING on every port (so probes and clients stop
+// sending) and keeps serving for the notice it is given, so that a probe
+// sees NOT_SERVING before the ports go away; then it lets in-flight calls
+// finish until drain_timeout (counted from the start of the drain, notice
+// included), cancels what is left and stops every server. Drain is
+// idempotent and is called by the destructor (with no notice).
 // With DataPlaneMode::kUcx the UCX data plane (service/ucx/data_plane.h)
 // starts before the gRPC server; Drain refuses new data-plane sessions,
 // ends commit waits by the drain deadline and stops the data plane after
@@ -64,7 +67,9 @@ class Node {
   Node& operator=(const Node&) = delete;
 
   absl::Status Start();
-  void Drain();
+  // `notice` is capped at options.drain_timeout (kvcache-node gives
+  // --drain-notice, 1 s by default).
+  void Drain(absl::Duration notice = absl::ZeroDuration());
 
   int port() const { return port_; }
   int health_port() const { return health_port_; }

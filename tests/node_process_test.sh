@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End to end on real processes: starts kvcache-node, drives the demo workload
 # through the client, pipes /metrics through `promtool check metrics` (any
-# finding fails), then sends SIGTERM and expects a drained exit 0.
+# finding fails), then sends SIGTERM with idle connections open to /metrics
+# and expects a drained exit 0 within --drain-timeout + 1 s.
 # Usage: node_process_test.sh BIN_DIR
 set -euo pipefail
 bin_dir=$1
@@ -17,7 +18,8 @@ trap cleanup EXIT
 
 "$bin_dir/service/kvcache-node" --listen=127.0.0.1:0 \
   --metrics-listen=127.0.0.1:0 --health-listen=127.0.0.1:0 \
-  --memory=host:512MiB --page-size=16KiB 2>"$work/node.log" &
+  --memory=host:512MiB --page-size=16KiB --drain-timeout=5 \
+  2>"$work/node.log" &
 node_pid=$!
 for _ in $(seq 1 100); do
   grep -q "serving gRPC" "$work/node.log" && break
@@ -44,11 +46,21 @@ if [[ -n $findings ]]; then
 fi
 echo "promtool check metrics: clean ($(grep -vc '^#' "$work/metrics.txt") samples)"
 
+# Connections that never send a request (a scanner, a stuck scraper) must
+# not hold the exit past the drain.
+exec 3<>"/dev/tcp/127.0.0.1/$metrics_port" 4<>"/dev/tcp/127.0.0.1/$metrics_port"
+sleep 0.2
+term_at=$(date +%s%N)
 kill -TERM "$node_pid"
 rc=0
 timeout 30 tail --pid="$node_pid" -f /dev/null || rc=$?
 wait "$node_pid" || rc=$?
+exit_ms=$(( ($(date +%s%N) - term_at) / 1000000 ))
 node_pid=
+exec 3>&- 4>&-
 grep -q "drained" "$work/node.log" || { cat "$work/node.log"; exit 1; }
 [[ $rc -eq 0 ]] || { echo "node exited $rc after SIGTERM"; exit 1; }
-echo "SIGTERM: drained, exit 0"
+(( exit_ms <= 6000 )) || {
+  echo "node took $exit_ms ms to exit after SIGTERM (--drain-timeout=5)"; exit 1; }
+echo "SIGTERM: drained, exit 0 after $exit_ms ms"
+

@@ -6,10 +6,12 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -708,9 +710,9 @@ TEST_F(NodeTest, MetricsAnswerWithIdleConnectionsOpen) {
     addr.sin_family = AF_INET;
     addr.sin_port = htons(static_cast<uint16_t>(node_->metrics_port()));
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(connect(fd->get(), reinterpret_cast<sockaddr*>(&addr),
-                      sizeof(addr)),
-              0);
+    ASSERT_EQ(
+        connect(fd->get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)),
+        0);
     idle.push_back(std::move(fd));
   }
   absl::SleepFor(absl::Milliseconds(200));  // the server has accepted them
@@ -718,6 +720,57 @@ TEST_F(NodeTest, MetricsAnswerWithIdleConnectionsOpen) {
     auto body = kvcache::testing::HttpGet(node_->metrics_port(), "/metrics");
     ASSERT_TRUE(body.ok()) << "scrape " << i << ": " << body.status();
     EXPECT_NE(body->find("kvcache_ready 1"), std::string::npos);
+  }
+}
+
+// What a probe polling each port sees while the node drains: NOT_SERVING
+// first, on every port, for the notice the node gives, and only then the
+// port goes away (UNAVAILABLE). A probe that went from SERVING straight to
+// UNAVAILABLE could not tell a drain from a crash.
+TEST_F(NodeTest, DrainSaysNotServingOnEveryPortBeforeItStops) {
+  struct Poller {
+    std::unique_ptr<grpc::health::v1::Health::Stub> health;
+    std::vector<std::string> seen;  // distinct answers, in order
+  };
+  std::vector<Poller> pollers(2);
+  const int ports[] = {node_->port(), node_->health_port()};
+  for (int i = 0; i < 2; ++i) {
+    pollers[i].health = grpc::health::v1::Health::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", ports[i]),
+                            grpc::InsecureChannelCredentials()));
+  }
+  std::atomic<bool> stop{false};
+  auto poll = [&](Poller* p) {
+    while (!stop.load()) {
+      grpc::health::v1::HealthCheckRequest request;
+      grpc::health::v1::HealthCheckResponse response;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::milliseconds(500));
+      grpc::Status st = p->health->Check(&ctx, request, &response);
+      std::string answer =
+          st.ok() ? grpc::health::v1::HealthCheckResponse::ServingStatus_Name(
+                        response.status())
+                  : "UNAVAILABLE";
+      if (p->seen.empty() || p->seen.back() != answer) {
+        p->seen.push_back(answer);
+      }
+      if (answer == "UNAVAILABLE") return;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  };
+  std::thread main_poller(poll, &pollers[0]);
+  std::thread health_poller(poll, &pollers[1]);
+  absl::SleepFor(absl::Milliseconds(100));
+  node_->Drain(/*notice=*/absl::Milliseconds(400));
+  absl::SleepFor(absl::Milliseconds(600));
+  stop = true;
+  main_poller.join();
+  health_poller.join();
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(absl::StrJoin(pollers[i].seen, " -> "),
+              "SERVING -> NOT_SERVING -> UNAVAILABLE")
+        << (i == 0 ? "main port" : "health port");
   }
 }
 
