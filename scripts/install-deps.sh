@@ -10,7 +10,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libucx-dev ucx-utils prometheus-cpp-dev libhwy-dev
   libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev
-  prometheus kubectl
+  prometheus kubectl openssl
 )
 
 missing=()

@@ -140,6 +140,14 @@ absl::Status ApplyFlag(absl::string_view name, absl::string_view value,
     o.ucx.staging_bytes = *bytes;
   } else if (name == "drain-timeout") {
     return parse_seconds(&o.drain_timeout);
+  } else if (name == "tls-cert") {
+    o.tls.cert_file = std::string(value);
+  } else if (name == "tls-key") {
+    o.tls.key_file = std::string(value);
+  } else if (name == "tls-client-ca") {
+    o.tls.client_ca_file = std::string(value);
+  } else if (name == "tls-refresh") {
+    return parse_seconds(&o.tls.refresh_interval);
   } else if (name == "drain-notice") {
     return parse_seconds(&out->drain_notice);
   } else if (name == "workers") {
@@ -195,6 +203,12 @@ Usage: kvcache-node [--flag=value ...]
   --staging-bytes=BYTES         bound on data-plane staging: write blocks
                                 until commit, read copies until sent
                                 (default 256MiB)
+  --tls-cert=FILE --tls-key=FILE  TLS on --listen (PEM certificate chain
+                                and key; re-read when they change)
+  --tls-client-ca=FILE          with --tls-cert: require client
+                                certificates signed by this CA (mTLS)
+  --tls-refresh=SECONDS         how often the TLS files are re-read
+                                (default 10)
   --drain-timeout=SECONDS       on SIGTERM, how long in-flight calls may
                                 finish, notice included (default 20)
   --drain-notice=SECONDS        on SIGTERM, how long every port answers

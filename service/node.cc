@@ -97,9 +97,11 @@ absl::Status Node::StartDataPlane() {
 absl::Status Node::StartServers() {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      ServerCredentials(options_.tls);
+  if (!credentials.ok()) return credentials.status();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(),
-                           &port_);
+  builder.AddListeningPort(options_.listen, *credentials, &port_);
   builder.RegisterService(service_.get());
   builder.SetMaxReceiveMessageSize(options_.max_request_bytes);
   builder.SetMaxSendMessageSize(options_.max_request_bytes);
@@ -124,6 +126,11 @@ absl::Status Node::StartServers() {
 }
 
 void Node::LogStarted(absl::string_view arena_description) const {
+  if (!options_.tls.enabled()) {
+    LogInfo(
+        "warning: the control plane is plaintext (no --tls-cert): "
+        "anyone who reaches the port can use the node");
+  }
   std::string plane;
   if (data_plane_ != nullptr) {
     const ucx::TcpSegments& segments = data_plane_->tcp_segments();
@@ -138,6 +145,9 @@ void Node::LogStarted(absl::string_view arena_description) const {
   }
   LogInfo(absl::StrCat(
       "kvcache-node serving gRPC on port ", port_,
+      options_.tls.enabled()
+          ? (options_.tls.client_ca_file.empty() ? " (TLS)" : " (mTLS)")
+          : " (plaintext)",
       health_port_ ? absl::StrCat(", health on port ", health_port_)
                    : std::string(),
       metrics_port_ ? absl::StrCat(", metrics on port ", metrics_port_)

@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "base/mutex.h"
 #include "base/notification.h"
+#include "service/tls.h"
 #include "service/ucx/data_plane.h"
 #include "store/arena.h"
 #include "store/store.h"
@@ -49,6 +50,9 @@ struct NodeOptions {
   std::string metrics_listen = "0.0.0.0:9464";  // empty: none
   store::MemorySpec memory{store::MemoryKind::kHost, 0, 1ull << 30};
   store::StoreOptions store;
+  // TLS (mTLS with a client CA) on `listen`; the health port stays
+  // plaintext and serves only grpc.health.v1.
+  TlsOptions tls;
   int max_request_bytes = 256 << 20;
   absl::Duration drain_timeout = absl::Seconds(20);
   absl::Duration reaper_interval = absl::Milliseconds(200);
