@@ -119,7 +119,14 @@ absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes,
     }
     array.shape.push_back(v);
   }
-  const uint64_t want = array.elements() * ElementSize(array.descr);
+  // The element and byte counts must not wrap: a wrapped count would let a
+  // huge shape pass with little data (fuzz/regressions/fuzz_npy/).
+  uint64_t want = ElementSize(array.descr);
+  for (uint64_t d : array.shape) {
+    if (__builtin_mul_overflow(want, d, &want)) {
+      return bad("shape has more elements than 64 bits count");
+    }
+  }
   const size_t data_start = header_start + header_len;
   if (bytes.size() - data_start != want) {
     return bad(absl::StrCat("holds ", bytes.size() - data_start,
