@@ -6,6 +6,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config git curl ca-certificates clang-14
+  libfuzzer-14-dev
   python3 python3-venv python3-pip
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libucx-dev ucx-utils prometheus-cpp-dev libhwy-dev

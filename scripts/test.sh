@@ -5,7 +5,8 @@
 # the soak again under AddressSanitizer + UndefinedBehaviorSanitizer, a clang
 # build of every target with the thread-safety annotations checked as errors
 # (built with ThreadSanitizer), the store stress test, the cluster client's
-# tests and the UCX data-plane tests under ThreadSanitizer, a local
+# tests and the UCX data-plane tests under ThreadSanitizer, the fuzz targets
+# of fuzz/ (their regression inputs and a short run each), a local
 # observability run (real nodes, a real Prometheus, asserted by a test) and
 # the offline deployment checks. Exits non-zero on any failure.
 set -euo pipefail
@@ -69,6 +70,12 @@ export UCX_MEM_EVENTS=no
 "$root/build-tsan/tests/ucx_test" --gtest_brief=1 \
   --gtest_filter='*ALayerIsReported*:*DataMessages*:*ConnectionReset*:*ReadDestinations*'
 unset TSAN_OPTIONS UCX_MEM_EVENTS
+stamp
+
+echo "== fuzzing: every decoder of peer bytes (${KVCACHE_CI_FUZZ_SECONDS:-20} s per target)"
+# Its regression inputs once each, then a short run per target from the
+# seed corpus (scripts/fuzz.sh; docs/operations.md, "Fuzzing").
+KVCACHE_FUZZ_SECONDS="${KVCACHE_CI_FUZZ_SECONDS:-20}" "$root/scripts/fuzz.sh"
 stamp
 
 echo "== observability: real nodes scraped by a real Prometheus"

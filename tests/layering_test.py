@@ -10,6 +10,7 @@ rule. The arrows:
     service, client -> transport -> proto
     client -> kernels (dequantization)
     everything -> base
+    fuzz -> anything but the client's private code (as tests/ may)
 
 and, in words: kernels/ and store/ know neither gRPC nor UCX; transport/
 knows UCX but not gRPC; the node's data plane (service/ucx/) does not use
@@ -52,7 +53,7 @@ def component_of_file(path):
         return 'data_plane'
     top = path.split('/', 1)[0]
     if top in ('base', 'proto', 'kernels', 'transport', 'store', 'service',
-               'client', 'tools', 'bench', 'tests'):
+               'client', 'tools', 'bench', 'tests', 'fuzz'):
         return top
     return None
 
@@ -69,7 +70,7 @@ def component_of_include(header):
         return 'data_plane'
     top = header.split('/', 1)[0]
     if top in ('base', 'proto', 'kernels', 'transport', 'store', 'service',
-               'client', 'tools', 'tests'):
+               'client', 'tools', 'tests', 'fuzz'):
         return top
     return None
 
@@ -93,6 +94,10 @@ ALLOWED = {
     'tools': {'client_api', 'codec_api', 'kernels', 'base'},
     'bench': None,  # any layer: benchmarks drive each in process
     'tests': None,  # any layer
+    # fuzz targets drive each decoder in process, like tests, but not the
+    # client's private code (its public headers are fine).
+    'fuzz': {'base', 'codec_api', 'kernels', 'proto', 'transport', 'store',
+             'data_plane', 'service', 'client_api', 'tools', 'tests'},
 }
 
 # Third-party families each layer must not include.
@@ -177,6 +182,12 @@ def self_test():
         ('proto/convert.h', 'kernels/codec.h', True, False),
         ('tools/soak.cc', 'service/node.h', True, False),
         ('tests/ucx_test.cc', 'service/ucx/data_plane.h', True, True),
+        ('fuzz/fuzz_rpc.cc', 'service/kvcache_service.h', True, True),
+        ('fuzz/fuzz_wire.cc', 'transport/wire.h', True, True),
+        ('fuzz/fuzz_npy.cc', 'tools/npy.h', True, True),
+        ('fuzz/fuzz_rpc.cc', 'kvcache/client.h', True, True),
+        ('fuzz/fuzz_rpc.cc', 'client/ucx/client_plane.h', True, False),
+        ('fuzz/fuzz_wire.cc', 'fuzz/fuzz_input.h', True, True),
     ]
     failed = 0
     for src, header, quoted, ok in cases:

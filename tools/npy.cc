@@ -67,8 +67,13 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
   std::string bytes((std::istreambuf_iterator<char>(in)),
                     std::istreambuf_iterator<char>());
+  return ParseNpy(bytes, path);
+}
+
+absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes,
+                                  absl::string_view name) {
   auto bad = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", why));
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", why));
   };
   if (bytes.size() < 10 || bytes.compare(0, 6, kMagic) != 0) {
     return bad("not a .npy file");
@@ -114,7 +119,14 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
     }
     array.shape.push_back(v);
   }
-  const uint64_t want = array.elements() * ElementSize(array.descr);
+  // The element and byte counts must not wrap: a wrapped count would let a
+  // huge shape pass with little data (fuzz/regressions/fuzz_npy/).
+  uint64_t want = ElementSize(array.descr);
+  for (uint64_t d : array.shape) {
+    if (__builtin_mul_overflow(want, d, &want)) {
+      return bad("shape has more elements than 64 bits count");
+    }
+  }
   const size_t data_start = header_start + header_len;
   if (bytes.size() - data_start != want) {
     return bad(absl::StrCat("holds ", bytes.size() - data_start,
@@ -124,7 +136,7 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
   return array;
 }
 
-absl::Status WriteNpy(const std::string& path, const NpyArray& array) {
+std::string NpyBytes(const NpyArray& array) {
   std::vector<std::string> dims;
   for (uint64_t d : array.shape) dims.push_back(absl::StrCat(d));
   std::string shape = absl::StrJoin(dims, ", ");
@@ -136,19 +148,24 @@ absl::Status WriteNpy(const std::string& path, const NpyArray& array) {
   size_t total = 10 + header.size() + 1;
   header.append((64 - total % 64) % 64, ' ');
   header.push_back('\n');
+  std::string bytes(kMagic, 6);
+  bytes.push_back(1);  // version 1.0
+  bytes.push_back(0);
+  const uint16_t len = static_cast<uint16_t>(header.size());
+  bytes.push_back(static_cast<char>(len & 0xFF));
+  bytes.push_back(static_cast<char>(len >> 8));
+  bytes += header;
+  bytes.append(reinterpret_cast<const char*>(array.data.data()),
+               array.data.size());
+  return bytes;
+}
+
+absl::Status WriteNpy(const std::string& path, const NpyArray& array) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out)
     return absl::PermissionDeniedError(absl::StrCat("cannot write ", path));
-  out.write(kMagic, 6);
-  const char version[2] = {1, 0};
-  out.write(version, 2);
-  const uint16_t len = static_cast<uint16_t>(header.size());
-  const char len_bytes[2] = {static_cast<char>(len & 0xFF),
-                             static_cast<char>(len >> 8)};
-  out.write(len_bytes, 2);
-  out.write(header.data(), static_cast<std::streamsize>(header.size()));
-  out.write(reinterpret_cast<const char*>(array.data.data()),
-            static_cast<std::streamsize>(array.data.size()));
+  const std::string bytes = NpyBytes(array);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   if (!out) return absl::DataLossError(absl::StrCat("short write to ", path));
   return absl::OkStatus();
 }

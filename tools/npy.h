@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace kvcache::tools {
 
@@ -23,6 +24,12 @@ struct NpyArray {
 
 absl::StatusOr<NpyArray> ReadNpy(const std::string& path);
 absl::Status WriteNpy(const std::string& path, const NpyArray& array);
+
+// ReadNpy and WriteNpy without the file: the bytes of a .npy file (errors
+// are prefixed with `name`), and the bytes WriteNpy writes.
+absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes,
+                                  absl::string_view name);
+std::string NpyBytes(const NpyArray& array);
 
 }  // namespace kvcache::tools
 

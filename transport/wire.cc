@@ -93,11 +93,13 @@ absl::Status CheckPrefix(absl::string_view bytes, size_t want, unsigned kind,
   uint32_t magic = r->U32();
   uint8_t version = r->U8();
   uint8_t k = r->U8();
-  r->U16();
+  uint16_t reserved = r->U16();
+  // Reserved bytes other than zero are refused: an accepted header is the
+  // encoding of what it decodes to.
   if (magic != kWireMagic || version != kWireVersion ||
-      k != static_cast<uint8_t>(kind & 0xff)) {
+      k != static_cast<uint8_t>(kind & 0xff) || reserved != 0) {
     return absl::InvalidArgumentError(
-        "data-plane header with a bad magic, version or kind");
+        "data-plane header with a bad magic, version, kind or reserved bytes");
   }
   return absl::OkStatus();
 }

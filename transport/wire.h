@@ -64,7 +64,8 @@
 //    node through the gRPC control plane for exactly one lease, and compared
 //    in constant time.
 //  * Every header is fixed-size, little-endian, and parsed with its length
-//    checked: a short, long or unknown header is rejected, never read past.
+//    checked: a short, long or unknown header is rejected, never read past;
+//    so is one whose two reserved bytes (after the kind) are not zero.
 #ifndef KVCACHE_TRANSPORT_WIRE_H_
 #define KVCACHE_TRANSPORT_WIRE_H_
 
