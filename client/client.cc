@@ -6,15 +6,16 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/mutex.h"
 #include "client/ucx/client_plane.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/codec.h"
@@ -67,17 +68,17 @@ class ContextCanceller {
  public:
   explicit ContextCanceller(grpc::ClientContext* ctx) : ctx_(ctx) {}
   void Cancel() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (ctx_ != nullptr) ctx_->TryCancel();
   }
   void Forget() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ctx_ = nullptr;
   }
 
  private:
-  std::mutex mu_;
-  grpc::ClientContext* ctx_;
+  Mutex mu_;
+  grpc::ClientContext* ctx_ ABSL_GUARDED_BY(mu_);
 };
 
 // The node sends only codecs it knows; anything else reads as fp16.
@@ -227,15 +228,16 @@ struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::KvCache::Stub> stub;
 
-  std::mutex plane_mu;
-  std::unique_ptr<ucx::ClientPlane> plane;  // guarded by plane_mu; lazy
-  absl::Status plane_error;                 // guarded by plane_mu; sticky
+  Mutex plane_mu;
+  std::unique_ptr<ucx::ClientPlane> plane ABSL_GUARDED_BY(plane_mu);  // lazy
+  absl::Status plane_error ABSL_GUARDED_BY(plane_mu);                 // sticky
   // kAuto: the node's data plane cannot be used from here (its UCX TCP
   // segment sizes would abort one of us, transport/tcp_segments.h; or it
   // does not answer, ucx::kConnectTimeout); calls go inline without asking
   // for it until then, so that each does not first open a UCX session only
-  // to drop it (or wait for a connection). Guarded by plane_mu.
-  absl::Time plane_refused_until = absl::InfinitePast();
+  // to drop it (or wait for a connection).
+  absl::Time plane_refused_until ABSL_GUARDED_BY(plane_mu) =
+      absl::InfinitePast();
 
   // Registered DataBuffers by first byte.
   struct Buffer {
@@ -245,20 +247,20 @@ struct Client::Impl {
   };
   // Nodes (NodeAddress::key) that refused to map a buffer of this client:
   // writes to them send their blocks.
-  std::mutex pull_mu;
-  absl::flat_hash_set<std::string> pull_refused;  // guarded by pull_mu
+  Mutex pull_mu;
+  absl::flat_hash_set<std::string> pull_refused ABSL_GUARDED_BY(pull_mu);
   bool PullRefused(const std::string& node) {
-    std::lock_guard<std::mutex> lock(pull_mu);
+    MutexLock lock(&pull_mu);
     return pull_refused.contains(node);
   }
   void RefusePulls(const std::string& node) {
-    std::lock_guard<std::mutex> lock(pull_mu);
+    MutexLock lock(&pull_mu);
     pull_refused.insert(node);
   }
 
-  std::mutex buffers_mu;
-  std::map<uintptr_t, Buffer> buffers;  // guarded by buffers_mu
-  uint64_t next_buffer_id = 1;          // guarded by buffers_mu
+  Mutex buffers_mu;
+  std::map<uintptr_t, Buffer> buffers ABSL_GUARDED_BY(buffers_mu);
+  uint64_t next_buffer_id ABSL_GUARDED_BY(buffers_mu) = 1;
 
   // The memory of DataBuffers (and so of Get's landing zones): registered
   // regions kept for reuse once freed, so that a node keeps their keys
@@ -268,13 +270,13 @@ struct Client::Impl {
     std::shared_ptr<ucx::MemoryRegion> region;
     uint64_t id = 0;
   };
-  std::multimap<size_t, Landing> idle_landings;  // guarded by buffers_mu
-  size_t idle_landing_bytes = 0;                 // guarded by buffers_mu
+  std::multimap<size_t, Landing> idle_landings ABSL_GUARDED_BY(buffers_mu);
+  size_t idle_landing_bytes ABSL_GUARDED_BY(buffers_mu) = 0;
 
   // An idle region of [bytes, 2 * bytes) or a fresh one.
   absl::StatusOr<Landing> TakeLanding(ucx::ClientPlane* plane, size_t bytes) {
     {
-      std::lock_guard<std::mutex> lock(buffers_mu);
+      MutexLock lock(&buffers_mu);
       auto it = idle_landings.lower_bound(bytes);
       if (it != idle_landings.end() && it->first < 2 * bytes) {
         Landing landing = std::move(it->second);
@@ -288,7 +290,7 @@ struct Client::Impl {
     if (!region.ok()) return region.status();
     Landing landing;
     landing.region = *std::move(region);
-    std::lock_guard<std::mutex> lock(buffers_mu);
+    MutexLock lock(&buffers_mu);
     landing.id = next_buffer_id++;
     return landing;
   }
@@ -299,7 +301,7 @@ struct Client::Impl {
   void GiveBackLanding(ucx::ClientPlane* plane, Landing landing) {
     const size_t size = landing.region->size();
     {
-      std::lock_guard<std::mutex> lock(buffers_mu);
+      MutexLock lock(&buffers_mu);
       if (landing.region.use_count() == 1 &&
           idle_landing_bytes + size <= options.max_idle_buffer_bytes) {
         idle_landing_bytes += size;
@@ -315,7 +317,7 @@ struct Client::Impl {
   std::shared_ptr<ucx::MemoryRegion> BufferHolding(const uint8_t* data,
                                                    size_t n, uint64_t* id) {
     const uintptr_t start = reinterpret_cast<uintptr_t>(data);
-    std::lock_guard<std::mutex> lock(buffers_mu);
+    MutexLock lock(&buffers_mu);
     auto it = buffers.upper_bound(start);
     if (it == buffers.begin()) return nullptr;
     --it;
@@ -454,7 +456,7 @@ struct Client::Impl {
   // UCX could not start in this process (kAuto falls back for good then).
   bool WantDataPlane() {
     if (options.data_plane == DataPlane::kGrpc) return false;
-    std::lock_guard<std::mutex> lock(plane_mu);
+    MutexLock lock(&plane_mu);
     return plane_error.ok();
   }
 
@@ -463,7 +465,7 @@ struct Client::Impl {
   bool AskForDataPlane() {
     if (!WantDataPlane()) return false;
     if (options.data_plane != DataPlane::kAuto) return true;
-    std::lock_guard<std::mutex> lock(plane_mu);
+    MutexLock lock(&plane_mu);
     return absl::Now() >= plane_refused_until;
   }
   // A data-plane attempt that kAuto answers inline failed with `status`.
@@ -474,13 +476,13 @@ struct Client::Impl {
         !ucx::IsDataPlaneNotConnected(status)) {
       return;
     }
-    std::lock_guard<std::mutex> lock(plane_mu);
+    MutexLock lock(&plane_mu);
     plane_refused_until = absl::Now() + kUnusablePlaneRetry;
   }
 
   // The UCX side of this client, started on first use.
   absl::StatusOr<ucx::ClientPlane*> Plane() {
-    std::lock_guard<std::mutex> lock(plane_mu);
+    MutexLock lock(&plane_mu);
     if (plane != nullptr) return plane.get();
     if (!plane_error.ok()) return plane_error;
     absl::StatusOr<std::unique_ptr<ucx::ClientPlane>> created =
@@ -1137,7 +1139,7 @@ absl::StatusOr<std::unique_ptr<DataBuffer>> Client::AllocateBuffer(
     const uintptr_t start = reinterpret_cast<uintptr_t>(impl->region->data());
     const uint64_t id = landing->id;
     {
-      std::lock_guard<std::mutex> lock(impl_->buffers_mu);
+      MutexLock lock(&impl_->buffers_mu);
       impl_->buffers[start] = {bytes, id, impl->region};
     }
     Impl* client = impl_.get();
@@ -1145,7 +1147,7 @@ absl::StatusOr<std::unique_ptr<DataBuffer>> Client::AllocateBuffer(
     // Back to the pool (kept only when no read still holds it).
     impl->unregister = [client, plane, start, id, impl_raw = impl.get()] {
       {
-        std::lock_guard<std::mutex> lock(client->buffers_mu);
+        MutexLock lock(&client->buffers_mu);
         client->buffers.erase(start);
       }
       Impl::Landing back{std::move(impl_raw->region), id};
