@@ -502,6 +502,92 @@ absl::StatusOr<GetResult> Client::Get(const std::string& ns,
   return Get(ns, keys, read);
 }
 
+namespace {
+
+// The blocks of an inline answer, bytes moved into its metadata.
+GetResult WithInlineBytes(v1::BeginReadResponse& response, GetResult result) {
+  for (int i = 0; i < response.blocks_size(); ++i) {
+    result.blocks[i].bytes =
+        std::move(*response.mutable_blocks(i)->mutable_data());
+  }
+  return result;
+}
+
+}  // namespace
+
+absl::Status Client::Impl::ReadIntoResult(Client* client,
+                                          const v1::BeginReadResponse& response,
+                                          const CallScope& scope,
+                                          GetResult& result) {
+  std::vector<uint64_t> offsets;
+  uint64_t total = 0;
+  for (const v1::BlockData& b : response.blocks()) {
+    offsets.push_back(total);
+    total += CacheLineRound(b.length());
+  }
+  absl::StatusOr<ucx::ClientPlane*> ucx_plane = Plane();
+  if (!ucx_plane.ok()) return ucx_plane.status();
+  // A DataBuffer from the client's pool: the node keeps its key, and it
+  // goes back to the pool when this read is over.
+  absl::StatusOr<std::unique_ptr<DataBuffer>> landing =
+      client->AllocateBuffer(std::max<uint64_t>(total, 64));
+  if (!landing.ok()) return landing.status();
+  const uint8_t* base = (*landing)->data();
+  uint64_t buffer_id = 0;
+  std::shared_ptr<ucx::MemoryRegion> region =
+      buffers.Holding(base, (*landing)->size(), &buffer_id);
+  if (region == nullptr) {
+    return absl::UnavailableError("no registered memory for the read");
+  }
+  absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
+      StartRead(*ucx_plane, response, std::move(region), offsets,
+                /*per_layer=*/false, buffer_id);
+  if (!transfer.ok()) return transfer.status();
+  // Not cut short by a cancel: an abandoned transfer would close the
+  // connection (and, without peer failure handling, could not stop the
+  // node's puts into the region). Bounded by the deadline.
+  absl::Status done =
+      (*transfer)->WaitLayers((*transfer)->num_layers(), scope.deadline);
+  if (!done.ok()) return done;
+  if (scope.cancelled()) return CallerCancelled();
+  for (int i = 0; i < response.blocks_size(); ++i) {
+    result.blocks[i].bytes.assign(
+        reinterpret_cast<const char*>(base + offsets[i]),
+        response.blocks(i).length());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GetResult> Client::Impl::GetOnce(
+    Client* client, const std::string& ns, const std::vector<std::string>& keys,
+    const ReadOptions& read, const CallScope& scope) {
+  const bool want = AskForDataPlane();
+  absl::StatusOr<Begun> begun =
+      BeginRead(ns, keys, read, read.pin_lease, /*inline_data=*/!want, scope);
+  if (!begun.ok()) return begun.status();
+  v1::BeginReadResponse& response = begun->response;
+  if (!OverDataPlane(response)) {
+    if (absl::Status s = CheckInline(want, response); !s.ok()) return s;
+    return WithInlineBytes(response, std::move(begun->metadata));
+  }
+  // Over the data plane: into a region UCX allocates (shared memory where a
+  // transport offers it), then copied out into the result's strings.
+  absl::Status st = ReadIntoResult(client, response, scope, begun->metadata);
+  if (st.ok()) return std::move(begun->metadata);
+  // kAuto: when the data plane cannot be reached, read inline instead (a
+  // pin lease, if any, was taken over by the first attempt).
+  AbandonRead(response.read_id());
+  if (options.data_plane == DataPlane::kAuto &&
+      st.code() == absl::StatusCode::kUnavailable) {
+    NoteFallback(st);
+    absl::StatusOr<Begun> again =
+        BeginRead(ns, keys, read, 0, /*inline_data=*/true, scope);
+    if (!again.ok()) return again.status();
+    return WithInlineBytes(again->response, std::move(again->metadata));
+  }
+  return st;
+}
+
 absl::StatusOr<GetResult> Client::Get(const std::string& ns,
                                       const std::vector<std::string>& keys,
                                       const ReadOptions& read,
@@ -509,83 +595,7 @@ absl::StatusOr<GetResult> Client::Get(const std::string& ns,
   const CallScope scope = impl_->Scope(call);
   // One read: over the data plane when the node offers it, inline
   // otherwise (and, with kAuto, when the data plane cannot be reached).
-  auto once = [&](const ReadOptions& r) -> absl::StatusOr<GetResult> {
-    const bool want = impl_->AskForDataPlane();
-    absl::StatusOr<Impl::Begun> begun = impl_->BeginRead(
-        ns, keys, r, r.pin_lease, /*inline_data=*/!want, scope);
-    if (!begun.ok()) return begun.status();
-    v1::BeginReadResponse& response = begun->response;
-    GetResult& result = begun->metadata;
-    if (!OverDataPlane(response)) {
-      if (absl::Status s = impl_->CheckInline(want, response); !s.ok()) {
-        return s;
-      }
-      for (int i = 0; i < response.blocks_size(); ++i) {
-        result.blocks[i].bytes =
-            std::move(*response.mutable_blocks(i)->mutable_data());
-      }
-      return std::move(result);
-    }
-    // Over the data plane: into a region UCX allocates (shared memory where a
-    // transport offers it), then copied out into the result's strings.
-    std::vector<uint64_t> offsets;
-    uint64_t total = 0;
-    for (const v1::BlockData& b : response.blocks()) {
-      offsets.push_back(total);
-      total += CacheLineRound(b.length());
-    }
-    absl::Status st = [&]() -> absl::Status {
-      absl::StatusOr<ucx::ClientPlane*> ucx_plane = impl_->Plane();
-      if (!ucx_plane.ok()) return ucx_plane.status();
-      // A DataBuffer from the client's pool: the node keeps its key, and it
-      // goes back to the pool when this read is over.
-      absl::StatusOr<std::unique_ptr<DataBuffer>> landing =
-          AllocateBuffer(std::max<uint64_t>(total, 64));
-      if (!landing.ok()) return landing.status();
-      const uint8_t* base = (*landing)->data();
-      uint64_t buffer_id = 0;
-      std::shared_ptr<ucx::MemoryRegion> region =
-          impl_->buffers.Holding(base, (*landing)->size(), &buffer_id);
-      if (region == nullptr) {
-        return absl::UnavailableError("no registered memory for the read");
-      }
-      absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
-          impl_->StartRead(*ucx_plane, response, std::move(region), offsets,
-                           /*per_layer=*/false, buffer_id);
-      if (!transfer.ok()) return transfer.status();
-      // Not cut short by a cancel: an abandoned transfer would close the
-      // connection (and, without peer failure handling, could not stop the
-      // node's puts into the region). Bounded by the deadline.
-      absl::Status done =
-          (*transfer)->WaitLayers((*transfer)->num_layers(), scope.deadline);
-      if (!done.ok()) return done;
-      if (scope.cancelled()) return CallerCancelled();
-      for (int i = 0; i < response.blocks_size(); ++i) {
-        result.blocks[i].bytes.assign(
-            reinterpret_cast<const char*>(base + offsets[i]),
-            response.blocks(i).length());
-      }
-      return absl::OkStatus();
-    }();
-    if (st.ok()) return std::move(result);
-    // kAuto: when the data plane cannot be reached, read inline instead (a
-    // pin lease, if any, was taken over by the first attempt).
-    impl_->AbandonRead(response.read_id());
-    if (impl_->options.data_plane == DataPlane::kAuto &&
-        st.code() == absl::StatusCode::kUnavailable) {
-      impl_->NoteFallback(st);
-      absl::StatusOr<Impl::Begun> again =
-          impl_->BeginRead(ns, keys, r, 0, /*inline_data=*/true, scope);
-      if (!again.ok()) return again.status();
-      for (int i = 0; i < again->response.blocks_size(); ++i) {
-        again->metadata.blocks[i].bytes =
-            std::move(*again->response.mutable_blocks(i)->mutable_data());
-      }
-      return std::move(again->metadata);
-    }
-    return st;
-  };
-  absl::StatusOr<GetResult> got = once(read);
+  absl::StatusOr<GetResult> got = impl_->GetOnce(this, ns, keys, read, scope);
   if (!got.ok() && ucx::IsFreshConnectionReset(got.status()) &&
       !scope.cancelled() && absl::Now() < scope.deadline) {
     // The connection was reset before it carried any transfer (a node
@@ -593,7 +603,7 @@ absl::StatusOr<GetResult> Client::Get(const std::string& ns,
     // more, on a new one. The first attempt took over a pin lease, if any.
     ReadOptions again = read;
     again.pin_lease = 0;
-    got = once(again);
+    got = impl_->GetOnce(this, ns, keys, again, scope);
   }
   return got;
 }
@@ -608,6 +618,77 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
   return GetInto(ns, keys, read, dest, stride);
 }
 
+namespace {
+
+// The pending read of an answer: metadata and placements (block i of the
+// keys at dest[i * stride]); inline bytes are copied into `dest` here.
+absl::StatusOr<std::unique_ptr<PendingRead::Impl>> MakePending(
+    const v1::BeginReadResponse& response, GetResult metadata, bool over_plane,
+    absl::Span<uint8_t> dest, size_t stride, const CallScope& scope,
+    std::shared_ptr<CancelToken> cancel) {
+  auto impl = std::make_unique<PendingRead::Impl>();
+  impl->deadline = scope.deadline;
+  impl->cancel = std::move(cancel);
+  impl->plane_layers = PlaneLayers(response);
+  for (int j = 0; j < response.blocks_size(); ++j) {
+    const v1::BlockData& b = response.blocks(j);
+    BlockPlacement placement;
+    placement.offset = static_cast<uint64_t>(metadata.blocks[j].index) * stride;
+    placement.length = b.length();
+    placement.layer_ends.assign(b.layer_end_offsets().begin(),
+                                b.layer_end_offsets().end());
+    if (placement.layer_ends.empty()) {
+      placement.layer_ends.push_back(b.length());
+    }
+    const uint64_t bytes = over_plane ? b.length() : b.data().size();
+    if (bytes > stride) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block ", metadata.blocks[j].index, " has ", bytes,
+                       " bytes, more than the stride of ", stride));
+    }
+    if (!over_plane) {
+      std::memcpy(dest.data() + placement.offset, b.data().data(),
+                  b.data().size());
+    }
+    impl->placements.push_back(std::move(placement));
+  }
+  impl->metadata = std::move(metadata);
+  return impl;
+}
+
+}  // namespace
+
+absl::Status Client::Impl::StartReadInto(const v1::BeginReadResponse& response,
+                                         absl::Span<uint8_t> dest, size_t bytes,
+                                         const CallScope& scope,
+                                         PendingRead::Impl& pending) {
+  if (scope.cancelled()) return CallerCancelled();
+  absl::StatusOr<ucx::ClientPlane*> ucx_plane = Plane();
+  if (!ucx_plane.ok()) return ucx_plane.status();
+  // A DataBuffer is registered already; other memory is registered for
+  // this read only, and its remote key dies with the read.
+  uint64_t buffer_id = 0;
+  std::shared_ptr<ucx::MemoryRegion> region =
+      buffers.Holding(dest.data(), bytes, &buffer_id);
+  if (region == nullptr) {
+    absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> registered =
+        (*ucx_plane)->Register(dest.data(), bytes);
+    if (!registered.ok()) return registered.status();
+    region = *std::move(registered);
+  }
+  const uint64_t skip = static_cast<uint64_t>(dest.data() - region->data());
+  std::vector<uint64_t> offsets;
+  for (const BlockPlacement& p : pending.placements) {
+    offsets.push_back(skip + p.offset);
+  }
+  absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
+      StartRead(*ucx_plane, response, std::move(region), offsets,
+                /*per_layer=*/true, buffer_id);
+  if (!transfer.ok()) return transfer.status();
+  pending.read = *std::move(transfer);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
     const std::string& ns, const std::vector<std::string>& keys,
     const ReadOptions& read, absl::Span<uint8_t> dest, size_t stride,
@@ -619,90 +700,34 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
                      keys.size(), " blocks of stride ", stride));
   }
   const CallScope scope = impl_->Scope(call);
-  // The pending read of an answer: metadata and placements; inline bytes
-  // are copied into `dest` here.
-  auto pending = [&](Impl::Begun& begun, bool over_plane)
-      -> absl::StatusOr<std::unique_ptr<PendingRead::Impl>> {
-    const v1::BeginReadResponse& response = begun.response;
-    auto impl = std::make_unique<PendingRead::Impl>();
-    impl->deadline = scope.deadline;
-    impl->cancel = call.cancel;
-    impl->plane_layers = PlaneLayers(response);
-    for (int j = 0; j < response.blocks_size(); ++j) {
-      const v1::BlockData& b = response.blocks(j);
-      BlockPlacement placement;
-      placement.offset =
-          static_cast<uint64_t>(begun.metadata.blocks[j].index) * stride;
-      placement.length = b.length();
-      placement.layer_ends.assign(b.layer_end_offsets().begin(),
-                                  b.layer_end_offsets().end());
-      if (placement.layer_ends.empty()) {
-        placement.layer_ends.push_back(b.length());
-      }
-      const uint64_t bytes = over_plane ? b.length() : b.data().size();
-      if (bytes > stride) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("block ", begun.metadata.blocks[j].index, " has ",
-                         bytes, " bytes, more than the stride of ", stride));
-      }
-      if (!over_plane) {
-        std::memcpy(dest.data() + placement.offset, b.data().data(),
-                    b.data().size());
-      }
-      impl->placements.push_back(std::move(placement));
-    }
-    impl->metadata = std::move(begun.metadata);
-    return impl;
+  auto inline_read =
+      [&](Impl::Begun& begun) -> absl::StatusOr<std::unique_ptr<PendingRead>> {
+    absl::StatusOr<std::unique_ptr<PendingRead::Impl>> impl =
+        MakePending(begun.response, std::move(begun.metadata),
+                    /*over_plane=*/false, dest, stride, scope, call.cancel);
+    if (!impl.ok()) return impl.status();
+    return std::make_unique<PendingRead>(*std::move(impl));
   };
-
   const bool want = impl_->AskForDataPlane();
   absl::StatusOr<Impl::Begun> begun = impl_->BeginRead(
       ns, keys, read, read.pin_lease, /*inline_data=*/!want, scope);
   if (!begun.ok()) return begun.status();
-  const bool over_plane = OverDataPlane(begun->response);
-  if (!over_plane) {
+  if (!OverDataPlane(begun->response)) {
     if (absl::Status s = impl_->CheckInline(want, begun->response); !s.ok()) {
       return s;
     }
-    absl::StatusOr<std::unique_ptr<PendingRead::Impl>> impl =
-        pending(*begun, false);
-    if (!impl.ok()) return impl.status();
-    return std::make_unique<PendingRead>(*std::move(impl));
+    return inline_read(*begun);
   }
   const v1::BeginReadResponse& response = begun->response;
   absl::StatusOr<std::unique_ptr<PendingRead::Impl>> impl =
-      pending(*begun, true);
+      MakePending(response, std::move(begun->metadata), /*over_plane=*/true,
+                  dest, stride, scope, call.cancel);
   if (!impl.ok()) {
     impl_->AbandonRead(response.read_id());
     return impl.status();
   }
-  absl::Status st = [&]() -> absl::Status {
-    if (scope.cancelled()) return CallerCancelled();
-    absl::StatusOr<ucx::ClientPlane*> ucx_plane = impl_->Plane();
-    if (!ucx_plane.ok()) return ucx_plane.status();
-    // A DataBuffer is registered already; other memory is registered for
-    // this read only, and its remote key dies with the read.
-    uint64_t buffer_id = 0;
-    std::shared_ptr<ucx::MemoryRegion> region =
-        impl_->buffers.Holding(dest.data(), keys.size() * stride, &buffer_id);
-    if (region == nullptr) {
-      absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> registered =
-          (*ucx_plane)->Register(dest.data(), keys.size() * stride);
-      if (!registered.ok()) return registered.status();
-      region = *std::move(registered);
-    }
-    const uint64_t skip = static_cast<uint64_t>(dest.data() - region->data());
-    std::vector<uint64_t> offsets;
-    for (const BlockPlacement& p : (*impl)->placements) {
-      offsets.push_back(skip + p.offset);
-    }
-    absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
-        impl_->StartRead(*ucx_plane, response, std::move(region), offsets,
-                         /*per_layer=*/true, buffer_id);
-    if (!transfer.ok()) return transfer.status();
-    (*impl)->read = *std::move(transfer);
-    return absl::OkStatus();
-  }();
+  absl::Status st =
+      impl_->StartReadInto(response, dest, keys.size() * stride, scope, **impl);
   if (st.ok()) return std::make_unique<PendingRead>(*std::move(impl));
   impl_->AbandonRead(response.read_id());
   // kAuto: when the data plane cannot be reached, read inline instead (a
@@ -713,10 +738,7 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
     absl::StatusOr<Impl::Begun> again =
         impl_->BeginRead(ns, keys, read, 0, /*inline_data=*/true, scope);
     if (!again.ok()) return again.status();
-    absl::StatusOr<std::unique_ptr<PendingRead::Impl>> inline_impl =
-        pending(*again, false);
-    if (!inline_impl.ok()) return inline_impl.status();
-    return std::make_unique<PendingRead>(*std::move(inline_impl));
+    return inline_read(*again);
   }
   return st;
 }

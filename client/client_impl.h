@@ -117,6 +117,24 @@ struct Client::Impl {
       uint64_t buffer_id = 0);
   // An inline answer from a node that should have used the data plane.
   absl::Status CheckInline(bool wanted, const v1::BeginReadResponse& response);
+  // One Get (Client::Get retries it once on a fresh connection reset).
+  absl::StatusOr<GetResult> GetOnce(Client* client, const std::string& ns,
+                                    const std::vector<std::string>& keys,
+                                    const ReadOptions& read,
+                                    const internal::CallScope& scope);
+  // The data-plane transfer of a Get's blocks (`response`) into a pooled
+  // DataBuffer, then into result.blocks[i].bytes.
+  absl::Status ReadIntoResult(Client* client,
+                              const v1::BeginReadResponse& response,
+                              const internal::CallScope& scope,
+                              GetResult& result);
+  // Starts the data-plane transfer of a GetInto into the `bytes` bytes at
+  // dest (registered for this read unless they lie in a DataBuffer), at
+  // pending.placements; pending.read is the transfer.
+  absl::Status StartReadInto(const v1::BeginReadResponse& response,
+                             absl::Span<uint8_t> dest, size_t bytes,
+                             const internal::CallScope& scope,
+                             PendingRead::Impl& pending);
 
   // ---- Writes (write_path.cc: the routes and their fallbacks)
 

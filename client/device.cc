@@ -407,6 +407,38 @@ struct DeviceRead::Impl {
     return absl::OkStatus();
   }
 
+  // A device read's stream (`borrowed`, or one of its own), its events (one
+  // per layer, then the drain) and, when some segment is decoded on the
+  // device, its scratch of `span` bytes.
+  absl::Status PrepareDevice(void* borrowed, size_t span) {
+    const int device = owner->options.device;
+    if (borrowed != nullptr) {
+      stream = di::Stream::Borrow(device, borrowed);
+    } else {
+      absl::StatusOr<std::unique_ptr<di::Stream>> created =
+          di::Stream::Create(device);
+      if (!created.ok()) return created.status();
+      stream = *std::move(created);
+    }
+    for (uint32_t l = 0; l <= num_layers; ++l) {
+      absl::StatusOr<std::unique_ptr<di::Event>> event =
+          di::Event::Create(device);
+      if (!event.ok()) return event.status();
+      if (l < num_layers) {
+        events.push_back(*std::move(event));
+      } else {
+        drain = *std::move(event);
+      }
+    }
+    if (needs_scratch) {
+      absl::StatusOr<std::unique_ptr<Staging>> acquired =
+          owner->Acquire(StagingKind::kDeviceScratch, span);
+      if (!acquired.ok()) return acquired.status();
+      scratch = *std::move(acquired);
+    }
+    return absl::OkStatus();
+  }
+
   void Run() {
     for (uint32_t l = 0; l < num_layers; ++l) {
       absl::Status s;
@@ -667,30 +699,8 @@ absl::StatusOr<std::unique_ptr<DeviceRead>> DeviceClient::GetInto(
   if (pass_through) return std::make_unique<DeviceRead>(std::move(r));
 
   if (on_device) {
-    if (options.stream != nullptr) {
-      r->stream = di::Stream::Borrow(c.options.device, options.stream);
-    } else {
-      absl::StatusOr<std::unique_ptr<di::Stream>> created =
-          di::Stream::Create(c.options.device);
-      if (!created.ok()) return fail(created.status());
-      r->stream = *std::move(created);
-    }
-    const uint32_t L = r->num_layers;
-    for (uint32_t l = 0; l <= L; ++l) {  // one per layer, then the drain
-      absl::StatusOr<std::unique_ptr<di::Event>> event =
-          di::Event::Create(c.options.device);
-      if (!event.ok()) return fail(event.status());
-      if (l < L) {
-        r->events.push_back(*std::move(event));
-      } else {
-        r->drain = *std::move(event);
-      }
-    }
-    if (r->needs_scratch) {
-      absl::StatusOr<std::unique_ptr<Staging>> scratch =
-          c.Acquire(StagingKind::kDeviceScratch, span);
-      if (!scratch.ok()) return fail(scratch.status());
-      r->scratch = *std::move(scratch);
+    if (absl::Status s = r->PrepareDevice(options.stream, span); !s.ok()) {
+      return fail(s);
     }
   }
   DeviceRead::Impl* raw = r.get();
