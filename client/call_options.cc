@@ -1,32 +1,46 @@
 #include "kvcache/call_options.h"
 
 #include <algorithm>
+#include <map>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
+#include "base/mutex.h"
+
 namespace kvcache {
+
+struct CancelToken::State {
+  Mutex mu;
+  bool cancelled ABSL_GUARDED_BY(mu) = false;
+  uint64_t next_id ABSL_GUARDED_BY(mu) = 1;
+  std::map<uint64_t, absl::AnyInvocable<void()>> callbacks ABSL_GUARDED_BY(mu);
+};
+
+CancelToken::CancelToken() : state_(std::make_unique<State>()) {}
+CancelToken::~CancelToken() = default;
 
 void CancelToken::Cancel() {
   std::map<uint64_t, absl::AnyInvocable<void()>> run;
   {
-    absl::MutexLock lock(&mu_);
-    if (cancelled_) return;
-    cancelled_ = true;
-    run.swap(callbacks_);
+    MutexLock lock(&state_->mu);
+    if (state_->cancelled) return;
+    state_->cancelled = true;
+    run.swap(state_->callbacks);
   }
   for (auto& [id, fn] : run) fn();
 }
 
 bool CancelToken::cancelled() const {
-  absl::MutexLock lock(&mu_);
-  return cancelled_;
+  MutexLock lock(&state_->mu);
+  return state_->cancelled;
 }
 
 uint64_t CancelToken::AddCallback(absl::AnyInvocable<void()> fn) {
   {
-    absl::MutexLock lock(&mu_);
-    if (!cancelled_) {
-      uint64_t id = next_id_++;
-      callbacks_.emplace(id, std::move(fn));
+    MutexLock lock(&state_->mu);
+    if (!state_->cancelled) {
+      uint64_t id = state_->next_id++;
+      state_->callbacks.emplace(id, std::move(fn));
       return id;
     }
   }
@@ -35,8 +49,8 @@ uint64_t CancelToken::AddCallback(absl::AnyInvocable<void()> fn) {
 }
 
 void CancelToken::RemoveCallback(uint64_t id) {
-  absl::MutexLock lock(&mu_);
-  callbacks_.erase(id);
+  MutexLock lock(&state_->mu);
+  state_->callbacks.erase(id);
 }
 
 absl::Time CallDeadline(const CallOptions& options,

@@ -2,14 +2,14 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstring>
-#include <mutex>
 #include <thread>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/mutex.h"
 #include "client/cuda/device_runtime.h"
 #include "kernels/codec.h"
 
@@ -66,7 +66,7 @@ class StagingPool {
 
   // The smallest idle buffer of `kind` holding `bytes`, or null.
   std::unique_ptr<Staging> Take(StagingKind kind, size_t bytes) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto best = idle_.end();
     for (auto it = idle_.begin(); it != idle_.end(); ++it) {
       if ((*it)->kind == kind && (*it)->size >= bytes &&
@@ -87,7 +87,7 @@ class StagingPool {
     if (s == nullptr) return;
     std::vector<std::unique_ptr<Staging>> dropped;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (s->size > max_idle_) {
         dropped.push_back(std::move(s));
       } else {
@@ -104,15 +104,16 @@ class StagingPool {
   }
 
   size_t idle_bytes() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return idle_bytes_;
   }
 
  private:
   const size_t max_idle_;
-  mutable std::mutex mu_;
-  std::vector<std::unique_ptr<Staging>> idle_;  // oldest first
-  size_t idle_bytes_ = 0;
+  mutable Mutex mu_;
+  // Oldest first.
+  std::vector<std::unique_ptr<Staging>> idle_ ABSL_GUARDED_BY(mu_);
+  size_t idle_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // ---- Layouts
@@ -253,11 +254,11 @@ struct DeviceRead::Impl {
   std::vector<std::unique_ptr<di::Event>> events;  // one per layer
   std::unique_ptr<di::Event> drain;                // the destructor's wait
 
-  std::mutex mu;
-  std::condition_variable cv;
-  uint32_t ready = 0;     // layers ready, guarded by mu
-  bool finished = false;  // the worker has stopped, guarded by mu
-  absl::Status failure;   // guarded by mu
+  Mutex mu;
+  CondVar cv;                                 // signalled as the below change
+  uint32_t ready ABSL_GUARDED_BY(mu) = 0;     // layers ready
+  bool finished ABSL_GUARDED_BY(mu) = false;  // the worker has stopped
+  absl::Status failure ABSL_GUARDED_BY(mu);
   std::atomic<bool> stop{false};
   std::thread worker;
 
@@ -406,6 +407,38 @@ struct DeviceRead::Impl {
     return absl::OkStatus();
   }
 
+  // A device read's stream (`borrowed`, or one of its own), its events (one
+  // per layer, then the drain) and, when some segment is decoded on the
+  // device, its scratch of `span` bytes.
+  absl::Status PrepareDevice(void* borrowed, size_t span) {
+    const int device = owner->options.device;
+    if (borrowed != nullptr) {
+      stream = di::Stream::Borrow(device, borrowed);
+    } else {
+      absl::StatusOr<std::unique_ptr<di::Stream>> created =
+          di::Stream::Create(device);
+      if (!created.ok()) return created.status();
+      stream = *std::move(created);
+    }
+    for (uint32_t l = 0; l <= num_layers; ++l) {
+      absl::StatusOr<std::unique_ptr<di::Event>> event =
+          di::Event::Create(device);
+      if (!event.ok()) return event.status();
+      if (l < num_layers) {
+        events.push_back(*std::move(event));
+      } else {
+        drain = *std::move(event);
+      }
+    }
+    if (needs_scratch) {
+      absl::StatusOr<std::unique_ptr<Staging>> acquired =
+          owner->Acquire(StagingKind::kDeviceScratch, span);
+      if (!acquired.ok()) return acquired.status();
+      scratch = *std::move(acquired);
+    }
+    return absl::OkStatus();
+  }
+
   void Run() {
     for (uint32_t l = 0; l < num_layers; ++l) {
       absl::Status s;
@@ -416,17 +449,17 @@ struct DeviceRead::Impl {
       }
       if (s.ok()) s = on_device ? QueueDeviceLayer(l) : DecodeHostLayer(l);
       if (s.ok() && on_device) s = events[l]->Record(*stream);
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(&mu);
       if (!s.ok()) {
         failure = s;
         break;
       }
       ready = l + 1;
-      cv.notify_all();
+      cv.SignalAll();
     }
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     finished = true;
-    cv.notify_all();
+    cv.SignalAll();
   }
 };
 
@@ -463,10 +496,11 @@ absl::Status DeviceRead::WaitLayer(uint32_t layer) {
         absl::StrCat("layer ", layer, " of a ", r.num_layers, "-layer block"));
   }
   if (r.pass_through) return r.pending->WaitLayer(layer);
-  std::unique_lock<std::mutex> lock(r.mu);
-  const bool done = r.cv.wait_until(lock, absl::ToChronoTime(r.deadline), [&] {
-    return r.ready > layer || r.finished;
-  });
+  MutexLock lock(&r.mu);
+  const bool done = r.cv.WaitUntil(
+      &r.mu, r.deadline, [&r, layer]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r.mu) {
+        return r.ready > layer || r.finished;
+      });
   if (r.ready > layer) return absl::OkStatus();
   if (!r.failure.ok()) return r.failure;
   if (!done) {
@@ -487,7 +521,7 @@ absl::Status DeviceRead::Wait() { return SyncLayer(impl_->num_layers - 1); }
 void* DeviceRead::LayerEvent(uint32_t layer) const {
   Impl& r = *impl_;
   if (!r.on_device || layer >= r.num_layers) return nullptr;
-  std::lock_guard<std::mutex> lock(r.mu);
+  MutexLock lock(&r.mu);
   return r.ready > layer ? r.events[layer]->get() : nullptr;
 }
 
@@ -665,30 +699,8 @@ absl::StatusOr<std::unique_ptr<DeviceRead>> DeviceClient::GetInto(
   if (pass_through) return std::make_unique<DeviceRead>(std::move(r));
 
   if (on_device) {
-    if (options.stream != nullptr) {
-      r->stream = di::Stream::Borrow(c.options.device, options.stream);
-    } else {
-      absl::StatusOr<std::unique_ptr<di::Stream>> created =
-          di::Stream::Create(c.options.device);
-      if (!created.ok()) return fail(created.status());
-      r->stream = *std::move(created);
-    }
-    const uint32_t L = r->num_layers;
-    for (uint32_t l = 0; l <= L; ++l) {  // one per layer, then the drain
-      absl::StatusOr<std::unique_ptr<di::Event>> event =
-          di::Event::Create(c.options.device);
-      if (!event.ok()) return fail(event.status());
-      if (l < L) {
-        r->events.push_back(*std::move(event));
-      } else {
-        r->drain = *std::move(event);
-      }
-    }
-    if (r->needs_scratch) {
-      absl::StatusOr<std::unique_ptr<Staging>> scratch =
-          c.Acquire(StagingKind::kDeviceScratch, span);
-      if (!scratch.ok()) return fail(scratch.status());
-      r->scratch = *std::move(scratch);
+    if (absl::Status s = r->PrepareDevice(options.stream, span); !s.ok()) {
+      return fail(s);
     }
   }
   DeviceRead::Impl* raw = r.get();

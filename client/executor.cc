@@ -11,8 +11,9 @@ Executor::Executor(int threads) : state_(std::make_shared<State>()) {
 
 Executor::~Executor() {
   {
-    absl::MutexLock lock(&state_->mu);
+    MutexLock lock(&state_->mu);
     state_->stop = true;
+    state_->cv.SignalAll();
   }
   for (std::thread& t : threads_) {
     if (t.get_id() == std::this_thread::get_id()) {
@@ -24,25 +25,25 @@ Executor::~Executor() {
 }
 
 bool Executor::Submit(absl::AnyInvocable<void()> task) {
-  absl::MutexLock lock(&state_->mu);
+  MutexLock lock(&state_->mu);
   if (state_->stop) return false;
   state_->queue.push_back(std::move(task));
+  state_->cv.Signal();
   return true;
 }
 
 void Executor::Loop(std::shared_ptr<State> state) {
+  State* s = state.get();
   while (true) {
     absl::AnyInvocable<void()> task;
     {
-      absl::MutexLock lock(&state->mu);
-      state->mu.Await(absl::Condition(
-          +[](State* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
-            return s->stop || !s->queue.empty();
-          },
-          state.get()));
-      if (state->queue.empty()) return;  // stop and drained
-      task = std::move(state->queue.front());
-      state->queue.pop_front();
+      MutexLock lock(&s->mu);
+      s->cv.Wait(&s->mu, [s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+        return s->stop || !s->queue.empty();
+      });
+      if (s->queue.empty()) return;  // stop and drained
+      task = std::move(s->queue.front());
+      s->queue.pop_front();
     }
     task();
     // `task` (and whatever it captured) is destroyed here, outside the lock.
@@ -55,14 +56,15 @@ DeadlineTimer::~DeadlineTimer() { Shutdown(); }
 
 void DeadlineTimer::Shutdown() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stop_) return;
     stop_ = true;
+    cv_.SignalAll();
   }
   thread_.join();
   std::map<uint64_t, std::pair<absl::Time, absl::AnyInvocable<void()>>> left;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     left.swap(fns_);
     by_time_.clear();
   }
@@ -71,21 +73,23 @@ void DeadlineTimer::Shutdown() {
 
 uint64_t DeadlineTimer::Schedule(absl::Time when,
                                  absl::AnyInvocable<void()> fn) {
-  absl::MutexLock lock(&mu_);
-  uint64_t id = next_id_++;
-  if (stop_) {
-    mu_.Unlock();
-    fn();
-    mu_.Lock();
-    return id;
+  uint64_t id;
+  {
+    MutexLock lock(&mu_);
+    id = next_id_++;
+    if (!stop_) {
+      by_time_.emplace(when, id);
+      fns_.emplace(id, std::make_pair(when, std::move(fn)));
+      cv_.SignalAll();
+      return id;
+    }
   }
-  by_time_.emplace(when, id);
-  fns_.emplace(id, std::make_pair(when, std::move(fn)));
+  fn();  // shut down: at once, outside the lock
   return id;
 }
 
 bool DeadlineTimer::Cancel(uint64_t id) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = fns_.find(id);
   if (it == fns_.end()) return false;
   auto range = by_time_.equal_range(it->second.first);
@@ -96,11 +100,13 @@ bool DeadlineTimer::Cancel(uint64_t id) {
     }
   }
   fns_.erase(it);
+  cv_.SignalAll();
   return true;
 }
 
+// Locks and unlocks mu_ by hand: each function runs with it released.
 void DeadlineTimer::Loop() {
-  absl::MutexLock lock(&mu_);
+  mu_.Lock();
   while (!stop_) {
     absl::Time next =
         by_time_.empty() ? absl::InfiniteFuture() : by_time_.begin()->first;
@@ -114,7 +120,7 @@ void DeadlineTimer::Loop() {
         return stop_ || fns_.size() != size_before ||
                next_id_ != next_id_before;
       };
-      mu_.AwaitWithDeadline(absl::Condition(&changed), next);
+      cv_.WaitUntil(&mu_, next, changed);
       continue;
     }
     uint64_t id = by_time_.begin()->second;
@@ -127,6 +133,7 @@ void DeadlineTimer::Loop() {
     fn = nullptr;
     mu_.Lock();
   }
+  mu_.Unlock();
 }
 
 }  // namespace kvcache::internal

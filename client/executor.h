@@ -10,9 +10,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "base/mutex.h"
 
 namespace kvcache::internal {
 
@@ -33,7 +34,8 @@ class Executor {
 
  private:
   struct State {
-    absl::Mutex mu;
+    Mutex mu;
+    CondVar cv;  // signalled when `queue` grows or `stop` is set
     std::deque<absl::AnyInvocable<void()>> queue ABSL_GUARDED_BY(mu);
     bool stop ABSL_GUARDED_BY(mu) = false;
   };
@@ -64,7 +66,8 @@ class DeadlineTimer {
  private:
   void Loop();
 
-  absl::Mutex mu_;
+  Mutex mu_;
+  CondVar cv_;  // signalled on every change of the state below
   std::multimap<absl::Time, uint64_t> by_time_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::pair<absl::Time, absl::AnyInvocable<void()>>> fns_
       ABSL_GUARDED_BY(mu_);

@@ -13,8 +13,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "base/mutex.h"
+#include "base/notification.h"
 #include "client/rendezvous.h"
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
@@ -411,7 +412,7 @@ TEST_F(ClusterTest, AsyncFuturesAndCallbacks) {
     }
   }
   // Callback form: runs exactly once, on a client thread.
-  absl::Notification called;
+  Notification called;
   std::atomic<int> calls{0};
   absl::StatusOr<ClusterLookupResult> seen;
   cc->LookupAsync("ns", chains[0], CallOptions{},
@@ -440,12 +441,12 @@ TEST_F(ClusterTest, KillingANodeMidWorkloadGivesOnlyMisses) {
 
   std::atomic<bool> stop{false};
   std::atomic<int> errors{0}, wrong_bytes{0}, ops{0};
-  absl::Mutex mu;
+  Mutex mu;
   std::vector<std::string> error_text;
   auto record = [&](const absl::Status& s) {
     if (s.ok()) return;
     errors.fetch_add(1);
-    absl::MutexLock lock(&mu);
+    MutexLock lock(&mu);
     error_text.push_back(s.ToString());
   };
   std::vector<std::thread> workers;
@@ -749,12 +750,12 @@ TEST_F(ClusterTest, MembershipFromDnsAndDiscovery) {
   EXPECT_EQ(put->stored, static_cast<uint32_t>(kBlocksPerChain));
 
   // Discovery that changes: three members, then node 1 leaves.
-  absl::Mutex mu;
+  Mutex mu;
   std::vector<std::string> members = {Id(0), Id(1), Id(2)};
   ClusterOptions disc = Options({});
   disc.refresh_interval = absl::ZeroDuration();  // refreshed by hand here
   disc.discover = [&]() -> absl::StatusOr<std::vector<std::string>> {
-    absl::MutexLock lock(&mu);
+    MutexLock lock(&mu);
     return members;
   };
   auto cc = Connect(disc);
@@ -766,7 +767,7 @@ TEST_F(ClusterTest, MembershipFromDnsAndDiscovery) {
   std::map<std::string, std::string> before;
   for (const std::string& k : keys) before[k] = cc->OwnerOf(k);
   {
-    absl::MutexLock lock(&mu);
+    MutexLock lock(&mu);
     members = {Id(0), Id(2)};
   }
   ASSERT_TRUE(cc->RefreshMembership().ok());
@@ -800,7 +801,7 @@ TEST_F(ClusterTest, MembershipFromDnsAndDiscovery) {
 
   // A failing discovery keeps the members.
   {
-    absl::MutexLock lock(&mu);
+    MutexLock lock(&mu);
     members = {"not-an-address"};
   }
   EXPECT_FALSE(cc->RefreshMembership().ok());
@@ -845,13 +846,13 @@ TEST_F(ClusterTest, LayerwiseGetDeliversLayersInOrder) {
 
     for (ReadFormat format : {ReadFormat::kFp16, ReadFormat::kRaw}) {
       std::vector<uint32_t> order;
-      absl::Mutex order_mu;
+      Mutex order_mu;
       LayerwiseOptions options;
       options.format = format;
       const size_t section = size_t{32} * 2 * 32;
       options.on_layer = [&](uint32_t layer,
                              absl::Span<const LayerSlice> blocks) {
-        absl::MutexLock lock(&order_mu);
+        MutexLock lock(&order_mu);
         order.push_back(layer);
         if (blocks.size() != keys.size()) {
           return absl::InternalError("wrong block count");
@@ -892,7 +893,7 @@ TEST_F(ClusterTest, LayerwiseGetDeliversLayersInOrder) {
       }
       EXPECT_EQ(stream->WaitLayer(shape.num_layers).status().code(),
                 absl::StatusCode::kInvalidArgument);
-      absl::MutexLock lock(&order_mu);
+      MutexLock lock(&order_mu);
       EXPECT_EQ(order, (std::vector<uint32_t>{0, 1, 2, 3}));
     }
   }
@@ -1051,13 +1052,13 @@ TEST_F(ClusterUcxTest, LayerwiseGetTravelsLayerByLayerOverUcx) {
     ASSERT_EQ(node_fp16->prefix_blocks, keys.size());
     const size_t section = size_t{32} * 4 * 64;
     for (ReadFormat format : {ReadFormat::kFp16, ReadFormat::kRaw}) {
-      absl::Mutex mu;
+      Mutex mu;
       std::vector<uint32_t> order;
       LayerwiseOptions options;
       options.format = format;
       options.on_layer = [&](uint32_t layer,
                              absl::Span<const LayerSlice> blocks) {
-        absl::MutexLock lock(&mu);
+        MutexLock lock(&mu);
         order.push_back(layer);
         return blocks.size() == keys.size()
                    ? absl::OkStatus()
@@ -1090,7 +1091,7 @@ TEST_F(ClusterUcxTest, LayerwiseGetTravelsLayerByLayerOverUcx) {
         }
       }
       EXPECT_EQ(stream->unavailable_keys(), 0u);
-      absl::MutexLock lock(&mu);
+      MutexLock lock(&mu);
       EXPECT_EQ(order, (std::vector<uint32_t>{0, 1, 2, 3, 4, 5}));
     }
   }

@@ -75,8 +75,9 @@ class HostRegistration {
 
  private:
   HostRegistration(int device, void* data) : device_(device), data_(data) {}
-  int device_;
-  void* data_;
+  // [[maybe_unused]]: read only by device_runtime.cc (the CUDA build).
+  [[maybe_unused]] int device_;
+  [[maybe_unused]] void* data_;
 };
 
 // cudaMalloc'd device memory; cudaFree on destruction (which synchronizes
@@ -95,7 +96,7 @@ class DeviceMemory {
  private:
   DeviceMemory(int device, uint8_t* data, size_t size)
       : device_(device), data_(data), size_(size) {}
-  int device_;
+  [[maybe_unused]] int device_;  // read only by the CUDA build
   uint8_t* data_;
   size_t size_;
 };
@@ -119,7 +120,7 @@ class Stream {
       : device_(device), stream_(stream), owned_(owned) {}
   int device_;
   void* stream_;
-  bool owned_;
+  [[maybe_unused]] bool owned_;  // read only by the CUDA build
 };
 
 // A cudaEvent_t without timing; cudaEventDestroy on destruction (CUDA
@@ -142,7 +143,7 @@ class Event {
 
  private:
   Event(int device, void* event) : device_(device), event_(event) {}
-  int device_;
+  [[maybe_unused]] int device_;  // read only by the CUDA build
   void* event_;
 };
 

@@ -17,6 +17,8 @@
 namespace kvcache::examples {
 namespace {
 
+// One function on purpose (longer than the usual ~80 lines): the example
+// reads top to bottom as the steps a prefill worker takes, in order.
 int Run(const WorkerArgs& a) {
   auto client = MakeClient(a);
   if (!client.ok()) {

@@ -16,6 +16,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/mutex.h"
 #include "transport/status.h"
 
 namespace kvcache::ucx {
@@ -35,35 +36,36 @@ constexpr absl::string_view kNotConnectedPayload =
 constexpr absl::string_view kFreshResetPayload =
     "type.kvcache.dev/kvcache.ucx.FreshConnectionReset";
 
-std::chrono::system_clock::time_point Chrono(absl::Time t) {
-  if (t == absl::InfiniteFuture()) {
-    return std::chrono::system_clock::time_point::max();
-  }
-  return absl::ToChronoTime(t);
-}
-
 // Completion count of a batch of sends.
 struct SendState {
-  std::mutex mu;
-  std::condition_variable cv;
-  size_t pending = 0;   // guarded by mu
-  absl::Status status;  // guarded by mu: the first error
+  explicit SendState(size_t sends) : pending(sends) {}
+
+  Mutex mu;
+  CondVar cv;  // signalled when `pending` reaches 0
+  size_t pending ABSL_GUARDED_BY(mu);
+  absl::Status status ABSL_GUARDED_BY(mu);  // the first error
 
   void Complete(size_t n, const absl::Status& s) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     if (!s.ok() && status.ok()) status = s;
     pending -= n;
-    if (pending == 0) cv.notify_all();
+    if (pending == 0) cv.SignalAll();
   }
   // Records why the sends will fail (before they do).
   void Fail(const absl::Status& s) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     if (status.ok()) status = s;
   }
   // True when everything completed before `deadline`.
   bool WaitUntil(absl::Time deadline) {
-    std::unique_lock<std::mutex> lock(mu);
-    return cv.wait_until(lock, Chrono(deadline), [&] { return pending == 0; });
+    MutexLock lock(&mu);
+    return cv.WaitUntil(
+        &mu, deadline,
+        [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return pending == 0; });
+  }
+  absl::Status Status() {
+    MutexLock lock(&mu);
+    return status;
   }
 };
 
@@ -90,8 +92,7 @@ absl::Status WaitForSends(SendState& state, absl::Time deadline,
     return absl::DeadlineExceededError(
         "sending over the data plane passed the call's deadline");
   }
-  std::lock_guard<std::mutex> lock(state.mu);
-  return state.status;
+  return state.Status();
 }
 
 // A CancelToken callback, removed when the wait that added it ends.
@@ -165,18 +166,18 @@ struct ClientPlane::ReadState {
   std::optional<ReadStatusHeader> waiting_status;
   std::optional<absl::Status> detach_when_received;
 
-  std::mutex mu;
-  std::condition_variable cv;
-  uint32_t layers_done = 0;  // guarded by mu
-  bool finished = false;     // guarded by mu: done, failed, or closed
-  bool detached = false;     // guarded by mu: no longer in a connection
-  // guarded by mu: closing the connection stops the node's puts (see
+  Mutex mu;
+  CondVar cv;  // signalled on every change of the state below
+  uint32_t layers_done ABSL_GUARDED_BY(mu) = 0;
+  bool finished ABSL_GUARDED_BY(mu) = false;  // done, failed, or closed
+  bool detached ABSL_GUARDED_BY(mu) = false;  // no longer in a connection
+  // Closing the connection stops the node's puts (see
   // Connection::peer_errors); set when the read starts on a connection.
-  bool close_stops_puts = true;
-  absl::Status status;  // guarded by mu
+  bool close_stops_puts ABSL_GUARDED_BY(mu) = true;
+  absl::Status status ABSL_GUARDED_BY(mu);
 
   void Update(uint32_t layers, bool done, const absl::Status& s) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     if (finished) return;
     if (!s.ok()) {
       status = s;
@@ -185,16 +186,16 @@ struct ClientPlane::ReadState {
       layers_done = std::max(layers_done, layers);
       finished = done;
     }
-    cv.notify_all();
+    cv.SignalAll();
   }
   void Detach(const absl::Status& s) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     if (!finished) {
       status = s;
       finished = true;
     }
     detached = true;
-    cv.notify_all();
+    cv.SignalAll();
   }
 };
 
@@ -429,8 +430,7 @@ absl::Status ClientPlane::SendBlocks(const NodeAddress& address,
                                      absl::Span<const Block> blocks,
                                      absl::Time deadline) {
   if (blocks.empty()) return absl::OkStatus();
-  auto state = std::make_shared<SendState>();
-  state->pending = blocks.size();
+  auto state = std::make_shared<SendState>(blocks.size());
   std::vector<Block> copy(blocks.begin(), blocks.end());
   bool posted = loop_->Post(
       [this, address, write_id, token, state, copy = std::move(copy)] {
@@ -507,24 +507,23 @@ absl::Status ClientPlane::PullBlocks(const NodeAddress& address,
   body.client_address = worker_address_;
   // Kept by the operation until it completes.
   Message message = EncodeWritePull(h, body);
-  auto state = std::make_shared<SendState>();
-  state->pending = 1;
-  bool posted = loop_->Post([this, address, state,
-                             header_size = message.header_bytes,
-                             keep = std::move(message.bytes)]() mutable {
-    absl::StatusOr<Connection*> conn = GetConnection(address);
-    if (!conn.ok()) {
-      state->Complete(1, conn.status());
-      return;
-    }
-    if (!*(*conn)->established) (*conn)->early_sends.push_back(state);
-    loop_->AddBusy(1);
-    SendEagerAm((*conn)->ep->get(), kAmWritePull, std::move(keep), header_size,
-                [this, state](absl::Status status) {
-                  loop_->AddBusy(-1);
-                  state->Complete(1, status);
-                });
-  });
+  auto state = std::make_shared<SendState>(1);
+  bool posted =
+      loop_->Post([this, address, state, header_size = message.header_bytes,
+                   keep = std::move(message.bytes)]() mutable {
+        absl::StatusOr<Connection*> conn = GetConnection(address);
+        if (!conn.ok()) {
+          state->Complete(1, conn.status());
+          return;
+        }
+        if (!*(*conn)->established) (*conn)->early_sends.push_back(state);
+        loop_->AddBusy(1);
+        SendEagerAm((*conn)->ep->get(), kAmWritePull, std::move(keep),
+                    header_size, [this, state](absl::Status status) {
+                      loop_->AddBusy(-1);
+                      state->Complete(1, status);
+                    });
+      });
   if (!posted) return absl::UnavailableError("the client is closing");
   const std::string key = address.key();
   return WaitForSends(
@@ -573,7 +572,7 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
       return;
     }
     {
-      std::lock_guard<std::mutex> lock(state->mu);
+      MutexLock lock(&state->mu);
       state->close_stops_puts = (*conn)->peer_errors;
     }
     (*conn)->reads[token_bytes] = state;
@@ -763,24 +762,27 @@ void ClientPlane::EndRead(const std::string& token, uint32_t layers_done,
 }
 
 ClientPlane::Read::~Read() {
+  ReadState* s = state_.get();
   {
-    std::unique_lock<std::mutex> lock(state_->mu);
-    if (state_->detached) return;
-    if (!state_->close_stops_puts) {
+    MutexLock lock(&s->mu);
+    if (s->detached) return;
+    if (!s->close_stops_puts) {
       // Closing would not stop the node's puts (shared memory): let the read
       // end on its own, bounded, so that none lands after the region goes.
-      state_->cv.wait_until(lock, Chrono(absl::Now() + kAbandonGrace), [&] {
-        return state_->finished || state_->detached;
-      });
+      s->cv.WaitFor(&s->mu, kAbandonGrace,
+                    [s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+                      return s->finished || s->detached;
+                    });
     }
-    if (state_->finished) {
+    if (s->finished) {
       // Ended: detached at once, or once the data messages still being
       // received into the region have landed (bounded; then closing fails
       // them).
-      state_->cv.wait_until(lock, Chrono(absl::Now() + kCloseGrace),
-                            [&] { return state_->detached; });
+      s->cv.WaitFor(
+          &s->mu, kCloseGrace,
+          [s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->detached; });
     }
-    if (state_->detached) return;
+    if (s->detached) return;
   }
   // The node may still be putting into the region: close the connection
   // (no more puts land where closing stops them) before the region goes.
@@ -791,11 +793,13 @@ absl::Status ClientPlane::Read::CloseAndWaitDetached() {
   ClientPlane* plane = plane_;
   std::string address = address_;
   plane->loop_->Post([plane, address] { plane->ForceCloseAddress(address); });
-  std::unique_lock<std::mutex> lock(state_->mu);
+  ReadState* s = state_.get();
+  MutexLock lock(&s->mu);
   // Bounded: the close detaches every read of the connection.
-  state_->cv.wait_until(lock, Chrono(absl::Now() + kCloseGrace),
-                        [&] { return state_->detached; });
-  if (!state_->detached) {
+  s->cv.WaitFor(
+      &s->mu, kCloseGrace,
+      [s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->detached; });
+  if (!s->detached) {
     return absl::InternalError(
         "a data-plane read did not end after closing its connection");
   }
@@ -809,46 +813,52 @@ absl::Status ClientPlane::Read::WaitLayers(uint32_t layers, absl::Time deadline,
   // The hook may run after this wait ended (on the cancelling thread): it
   // holds what it touches.
   CancelHook hook(cancel, [cancelled, state = state_] {
-    std::lock_guard<std::mutex> lock(state->mu);
+    MutexLock lock(&state->mu);
     cancelled->store(true);
-    state->cv.notify_all();
+    state->cv.SignalAll();
   });
   return WaitLayersUntil(layers, deadline, cancelled.get());
 }
 
 absl::Status ClientPlane::Read::WaitLayersUntil(
     uint32_t layers, absl::Time deadline, const std::atomic<bool>* cancelled) {
-  std::unique_lock<std::mutex> lock(state_->mu);
-  auto ready = [&] {
-    return state_->finished || state_->layers_done >= layers ||
+  ReadState* s = state_.get();
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+    return s->finished || s->layers_done >= layers ||
            (cancelled != nullptr && cancelled->load());
   };
   // Meanwhile, a connection that never comes up is closed as UNAVAILABLE
   // (ClientPlane::CloseIfNotConnected), which ends the read.
   bool waited = false;
-  for (absl::Time next =
-           std::min(deadline, absl::Now() + kConnectCheckInterval);
-       !(waited = state_->cv.wait_until(lock, Chrono(next), ready)) &&
-       next < deadline;
-       next = std::min(deadline, absl::Now() + kConnectCheckInterval)) {
-    lock.unlock();
-    plane_->loop_->Post(
-        [plane = plane_, key = address_] { plane->CloseIfNotConnected(key); });
-    lock.lock();
+  bool close = false;
+  {
+    MutexLock lock(&s->mu);
+    for (;;) {
+      const absl::Time next =
+          std::min(deadline, absl::Now() + kConnectCheckInterval);
+      waited = s->cv.WaitUntil(&s->mu, next, ready);
+      if (waited || next >= deadline) break;
+      s->mu.Unlock();
+      plane_->loop_->Post([plane = plane_, key = address_] {
+        plane->CloseIfNotConnected(key);
+      });
+      s->mu.Lock();
+    }
+    if (waited) {
+      if (!s->status.ok()) return s->status;
+      if (s->layers_done >= layers) return absl::OkStatus();
+    }
+    close = s->close_stops_puts;
   }
   if (!waited) {
-    const bool close = state_->close_stops_puts;
-    lock.unlock();
     // Where closing stops the node, close now so the transfer fails; on
     // shared memory the read stays open and the destructor waits for it.
     if (close) {
-      if (absl::Status s = CloseAndWaitDetached(); !s.ok()) return s;
+      if (absl::Status st = CloseAndWaitDetached(); !st.ok()) return st;
     }
     return absl::DeadlineExceededError(
         "the data-plane read passed the call's deadline");
   }
-  if (!state_->status.ok()) return state_->status;
-  if (state_->layers_done >= layers) return absl::OkStatus();
   if (cancelled != nullptr && cancelled->load()) {
     return absl::CancelledError(
         "the wait for the data-plane read was cancelled");

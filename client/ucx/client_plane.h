@@ -28,10 +28,8 @@
 #define KVCACHE_CLIENT_UCX_CLIENT_PLANE_H_
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 

@@ -13,12 +13,9 @@
 #define KVCACHE_CLIENT_CALL_OPTIONS_H_
 
 #include <cstdint>
-#include <map>
 #include <memory>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -27,7 +24,8 @@ namespace kvcache {
 // Cancels every call that carries it. Thread-safe; share it by shared_ptr.
 class CancelToken {
  public:
-  CancelToken() = default;
+  CancelToken();
+  ~CancelToken();
   CancelToken(const CancelToken&) = delete;
   CancelToken& operator=(const CancelToken&) = delete;
 
@@ -45,11 +43,8 @@ class CancelToken {
   void RemoveCallback(uint64_t id);
 
  private:
-  mutable absl::Mutex mu_;
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  std::map<uint64_t, absl::AnyInvocable<void()>> callbacks_
-      ABSL_GUARDED_BY(mu_);
+  struct State;  // the mutex and what it guards (call_options.cc)
+  const std::unique_ptr<State> state_;
 };
 
 struct CallOptions {
