@@ -236,7 +236,11 @@ absl::Status Client::Impl::EndPulledWrite(uint64_t write_id) {
     ctx.set_deadline(
         absl::ToChronoTime(std::min(give_up, absl::Now() + absl::Seconds(1))));
     const grpc::Status s = stub->AbortWrite(&ctx, request, &response);
-    if (s.ok() || s.error_code() == grpc::StatusCode::NOT_FOUND) {
+    // Gone (aborted now, or committed or dropped before): FAILED_PRECONDITION,
+    // the stale-lease code; NOT_FOUND from nodes before it. ABORTED: a
+    // commit or a stage is still using the write: ask again.
+    if (s.ok() || s.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
+        s.error_code() == grpc::StatusCode::NOT_FOUND) {
       return absl::OkStatus();
     }
     if (absl::Now() >= give_up) {
