@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <memory>
+#include <sstream>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
@@ -428,6 +430,53 @@ const std::vector<BlockPlacement>& PendingRead::placements() const {
 }
 bool PendingRead::over_data_plane() const { return impl_->read != nullptr; }
 
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* what) {
+  std::ifstream in(path);
+  std::stringstream out;
+  out << in.rdbuf();
+  if (!in.good() && !in.eof()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TlsOptions.", what, " ", path, ": cannot read it"));
+  }
+  if (out.str().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TlsOptions.", what, " ", path, ": empty or unreadable"));
+  }
+  return out.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
+    const TlsOptions& tls) {
+  if (!tls.enabled()) {
+    if (!tls.cert_file.empty() || !tls.key_file.empty()) {
+      return absl::InvalidArgumentError(
+          "TlsOptions: a client certificate needs ca_file too");
+    }
+    return grpc::InsecureChannelCredentials();
+  }
+  if (tls.cert_file.empty() != tls.key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "TlsOptions: cert_file and key_file go together");
+  }
+  grpc::SslCredentialsOptions ssl;
+  absl::StatusOr<std::string> ca = ReadPem(tls.ca_file, "ca_file");
+  if (!ca.ok()) return ca.status();
+  ssl.pem_root_certs = *std::move(ca);
+  if (!tls.cert_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadPem(tls.cert_file, "cert_file");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadPem(tls.key_file, "key_file");
+    if (!key.ok()) return key.status();
+    ssl.pem_cert_chain = *std::move(cert);
+    ssl.pem_private_key = *std::move(key);
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+}  // namespace
+
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
 
@@ -439,12 +488,17 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
   if (options.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("ClientOptions.timeout must be > 0");
   }
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      ChannelCredentials(options.tls);
+  if (!credentials.ok()) return credentials.status();
   auto impl = std::make_unique<Impl>(options);
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  impl->channel = grpc::CreateCustomChannel(
-      options.target, grpc::InsecureChannelCredentials(), args);
+  if (!options.tls.server_name.empty()) {
+    args.SetSslTargetNameOverride(options.tls.server_name);
+  }
+  impl->channel = grpc::CreateCustomChannel(options.target, *credentials, args);
   impl->stub = v1::KvCache::NewStub(impl->channel);
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }

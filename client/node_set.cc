@@ -95,6 +95,7 @@ absl::StatusOr<std::shared_ptr<NodeState>> NodeSet::Connect(
   co.timeout = options_.rpc_timeout;
   co.max_message_bytes = options_.max_message_bytes;
   co.data_plane = options_.data_plane;
+  co.tls = options_.tls;
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(co);
   if (!client.ok()) return client.status();
   return std::make_shared<NodeState>(id, *std::move(client),

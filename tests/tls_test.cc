@@ -12,6 +12,8 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "kvcache/client.h"
+#include "kvcache/cluster_client.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "service/node.h"
 #include "tests/test_pki.h"
@@ -155,6 +157,57 @@ TEST_F(TlsTest, ARotatedCertificateIsServedWithoutARestart) {
   }
   EXPECT_TRUE(rotated) << "the node did not serve the rotated certificate";
   EXPECT_FALSE(Stats(Tls(ca_)).ok()) << "the old certificate is still served";
+}
+
+// The client library speaks TLS and mTLS: kvcache::Client and the cluster
+// client with TlsOptions, and a plaintext client is refused.
+TEST_F(TlsTest, TheClientLibrarySpeaksTlsAndMtls) {
+  auto client_ca = pki_.MakeCa("client-ca");
+  ASSERT_TRUE(client_ca.ok()) << client_ca.status();
+  auto me = pki_.Issue(*client_ca, "worker", "URI:spiffe://kvcache/worker");
+  ASSERT_TRUE(me.ok()) << me.status();
+  StartNode(client_ca->cert);
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", node_->port());
+  options.tls.ca_file = ca_.cert;
+  options.tls.cert_file = me->cert;
+  options.tls.key_file = me->key;
+  options.tls.server_name = "localhost";
+  auto client = Client::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  NamespaceSpec spec;
+  spec.name = "tls";
+  spec.shape = {2, 1, 32, 16};
+  spec.policy = CodecPolicy{};
+  EXPECT_TRUE((*client)->RegisterNamespace(spec).ok());
+  EXPECT_TRUE((*client)->Stats().ok());
+
+  ClusterOptions cluster;
+  cluster.nodes = {options.target};
+  cluster.tls = options.tls;
+  auto cc = ClusterClient::Create(cluster);
+  ASSERT_TRUE(cc.ok()) << cc.status();
+  EXPECT_TRUE((*cc)->RegisterNamespace(spec).ok());
+
+  ClientOptions plain;
+  plain.target = options.target;
+  plain.timeout = absl::Seconds(3);
+  auto plaintext = Client::Connect(plain);
+  ASSERT_TRUE(plaintext.ok());
+  EXPECT_EQ((*plaintext)->Stats().status().code(),
+            absl::StatusCode::kUnavailable);
+  ClientOptions no_cert = options;
+  no_cert.tls.cert_file.clear();
+  no_cert.tls.key_file.clear();
+  no_cert.timeout = absl::Seconds(3);
+  auto anonymous = Client::Connect(no_cert);
+  ASSERT_TRUE(anonymous.ok());
+  EXPECT_EQ((*anonymous)->Stats().status().code(),
+            absl::StatusCode::kUnavailable);
+  ClientOptions missing = options;
+  missing.tls.ca_file = "/nonexistent/ca.pem";
+  EXPECT_EQ(Client::Connect(missing).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(TlsOptionsTest, MissingOrHalfGivenFilesAreRefusedNamingTheFlag) {

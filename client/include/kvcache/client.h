@@ -55,8 +55,25 @@ enum class DataPlane {
   kGrpc,  // inline gRPC messages only
 };
 
+// TLS to a node that serves it (kvcache-node --tls-cert). All paths are
+// PEM files, read when the client connects (a rotated client certificate
+// takes a new Client).
+struct TlsOptions {
+  std::string ca_file;    // the CA bundle the node's certificate chains to
+  std::string cert_file;  // with key_file: this client's certificate (mTLS,
+  std::string key_file;   // for a node with --tls-client-ca)
+  // The name checked against the node's certificate; empty: the target's
+  // host.
+  std::string server_name;
+
+  bool enabled() const { return !ca_file.empty(); }
+};
+
 struct ClientOptions {
   std::string target;  // "host:port" of the node's gRPC listener
+  // Empty ca_file: plaintext. INVALID_ARGUMENT at Connect for a file that
+  // cannot be read, or a certificate without its key.
+  TlsOptions tls;
   // A call's budget when its CallOptions give neither timeout nor deadline.
   absl::Duration timeout = absl::Seconds(10);
   // Largest gRPC message either way; a Put larger than this is split.

@@ -48,6 +48,8 @@ struct ClusterOptions {
   int max_message_bytes = 256 << 20;
   // Where KV bytes travel to and from each node (ClientOptions::data_plane).
   DataPlane data_plane = DataPlane::kAuto;
+  // TLS to every node (ClientOptions::tls).
+  TlsOptions tls;
 };
 
 }  // namespace kvcache
