@@ -69,6 +69,10 @@ export UCX_MEM_EVENTS=no
 # the plain and ASan suites.
 "$root/build-tsan/tests/ucx_test" --gtest_brief=1 \
   --gtest_filter='*ALayerIsReported*:*DataMessages*:*ConnectionReset*:*ReadDestinations*'
+# The cluster client (async calls, layer streams, membership, retries)
+# against three in-process nodes: every mutex of client/ is base/mutex.h, so
+# TSan sees all of its ordering.
+"$root/build-tsan/tests/cluster_client_test" --gtest_brief=1
 unset TSAN_OPTIONS UCX_MEM_EVENTS
 stamp
 
