@@ -642,7 +642,8 @@ absl::Status Store::HoldReadLease(uint64_t lease_id) {
   MutexLock lock(&lease_mu_);
   auto it = read_leases_.find(lease_id);
   if (it == read_leases_.end()) {
-    return absl::NotFoundError("read lease is unknown or has expired");
+    return absl::FailedPreconditionError(
+        "read lease is unknown or has expired");
   }
   it->second->held = true;
   return absl::OkStatus();

@@ -170,6 +170,9 @@ class Worker {
       expected = expected || c == absl::StatusCode::kDeadlineExceeded ||
                  c == absl::StatusCode::kCancelled ||
                  c == absl::StatusCode::kUnavailable;
+      // A pin whose TTL ran out while its node was paused is a stale lease.
+      expected = expected || (c == absl::StatusCode::kFailedPrecondition &&
+                              (op == "release" || op == "get.pinned"));
     }
     if (!expected) {
       ++tally_.unexpected;
