@@ -2,6 +2,8 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,8 +33,9 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  kvcache::service::Node node(flags->options);
-  if (absl::Status s = node.Start(); !s.ok()) {
+  // On the heap and never destroyed: see the end of main.
+  auto node = std::make_unique<kvcache::service::Node>(flags->options);
+  if (absl::Status s = node->Start(); !s.ok()) {
     LogError(absl::StrCat("kvcache-node: cannot start: ", s.message()));
     return 1;
   }
@@ -40,6 +43,12 @@ int main(int argc, char** argv) {
   sigwait(&stop_signals, &signal_number);
   kvcache::LogInfo(
       absl::StrCat("received signal ", signal_number, ", draining"));
-  node.Drain(flags->drain_notice);
-  return 0;
+  node->Drain(flags->drain_notice);
+  // Drain has stopped every server, the data plane, the workers and the
+  // reaper. Destroying the grpc::Server objects after that took 8.6 s in
+  // about one exit in twenty (gRPC tearing down its own state), past
+  // --drain-timeout + 1 s; there is nothing left to release that the
+  // process's exit does not, so it exits here (the node stays reachable
+  // from this frame, so leak checkers do not count it).
+  std::exit(0);
 }

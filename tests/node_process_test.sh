@@ -61,6 +61,7 @@ exec 3>&- 4>&-
 grep -q "drained" "$work/node.log" || { cat "$work/node.log"; exit 1; }
 [[ $rc -eq 0 ]] || { echo "node exited $rc after SIGTERM"; exit 1; }
 (( exit_ms <= 6000 )) || {
-  echo "node took $exit_ms ms to exit after SIGTERM (--drain-timeout=5)"; exit 1; }
+  echo "node took $exit_ms ms to exit after SIGTERM (--drain-timeout=5):"
+  tail -5 "$work/node.log"; exit 1; }
 echo "SIGTERM: drained, exit 0 after $exit_ms ms"
 
