@@ -203,6 +203,10 @@ void Node::Drain(absl::Duration notice) {
     stop_reaper_.Notify();
     reaper_.join();
   }
+  // The UCX context and worker go now (the reaper, which expires sessions,
+  // has stopped), not at the node's destruction: kvcache-node exits after
+  // Drain without destroying the node (main.cc).
+  data_plane_.reset();
   if (started_) LogInfo("drained");
 }
 

@@ -81,6 +81,7 @@ class Node {
   // The UCX listener's port; 0 without a data plane.
   int ucx_port() const { return data_plane_ ? data_plane_->port() : 0; }
   store::Store* store() { return store_.get(); }
+  // Null without --data-plane=ucx, and after Drain.
   ucx::DataPlane* data_plane() { return data_plane_.get(); }
   Metrics* metrics() { return metrics_.get(); }
 
