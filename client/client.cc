@@ -435,14 +435,10 @@ namespace {
 absl::StatusOr<std::string> ReadPem(const std::string& path, const char* what) {
   std::ifstream in(path);
   std::stringstream out;
-  out << in.rdbuf();
-  if (!in.good() && !in.eof()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("TlsOptions.", what, " ", path, ": cannot read it"));
-  }
-  if (out.str().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("TlsOptions.", what, " ", path, ": empty or unreadable"));
+  if (in) out << in.rdbuf();
+  if (!in || out.str().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TlsOptions.", what, " ", path, ": cannot be read or is empty"));
   }
   return out.str();
 }

@@ -55,9 +55,9 @@ using ::kvcache::ScaleMode;
 
 // INVALID_ARGUMENT with a message naming the problem: zero or oversized
 // dimensions (more than 4096 layers, 2^31 elements per section or 2^44
-// bytes per block), an unknown codec, an fp16 layer out of range, static scales for
-// a non-fp8 codec or a dynamic scale mode, static scales of the wrong count or
-// not finite and > 0, a KIVI group size of 0 or not dividing
+// bytes per block), an unknown codec, an fp16 layer out of range, static scales
+// for a non-fp8 codec or a dynamic scale mode, static scales of the wrong count
+// or not finite and > 0, a KIVI group size of 0 or not dividing
 // tokens_per_block and head_dim.
 absl::Status ValidatePolicy(const BlockShape& shape, const CodecPolicy& policy);
 

@@ -116,9 +116,9 @@ ucx::ReadStartBody ReadStartBodyOf3() {
 // The header's counts and lengths come from the body; the body decodes to
 // the same key, destinations, address and (bounded) region.
 TEST(WireBodyTest, ReadStartRoundTripsWithAndWithoutBounds) {
-  for (uint8_t flags : {uint8_t{0}, ucx::kReadFlagBounded,
-                        uint8_t(ucx::kReadFlagBounded |
-                                ucx::kReadFlagPerLayer)}) {
+  for (uint8_t flags :
+       {uint8_t{0}, ucx::kReadFlagBounded,
+        uint8_t(ucx::kReadFlagBounded | ucx::kReadFlagPerLayer)}) {
     const ucx::ReadStartBody body = ReadStartBodyOf3();
     const ucx::Message m = ucx::EncodeReadStart(ReadStart(flags), body);
     auto h = ucx::DecodeReadStart(
@@ -138,15 +138,15 @@ TEST(WireBodyTest, ReadStartRoundTripsWithAndWithoutBounds) {
     EXPECT_EQ(back->region_base, bounded ? body.region_base : 0);
     EXPECT_EQ(back->region_length, bounded ? body.region_length : 0);
     // Without bounds the message is 16 bytes shorter.
-    EXPECT_EQ(m.bytes.size() - m.header_bytes,
-              body.remote_key.size() + 8 * 3 + body.client_address.size() +
-                  (bounded ? 16 : 0));
+    EXPECT_EQ(m.bytes.size() - m.header_bytes, body.remote_key.size() + 8 * 3 +
+                                                   body.client_address.size() +
+                                                   (bounded ? 16 : 0));
   }
 }
 
 TEST(WireBodyTest, ReadStartRefusesEveryOtherSizeAndWrappingBounds) {
-  const ucx::Message m =
-      ucx::EncodeReadStart(ReadStart(ucx::kReadFlagBounded), ReadStartBodyOf3());
+  const ucx::Message m = ucx::EncodeReadStart(ReadStart(ucx::kReadFlagBounded),
+                                              ReadStartBodyOf3());
   const ucx::ReadStartHeader h = *ucx::DecodeReadStart(
       absl::string_view(m.bytes).substr(0, m.header_bytes));
   const std::string data = m.bytes.substr(m.header_bytes);

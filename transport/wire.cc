@@ -30,7 +30,9 @@ class Writer {
   void Bytes(const Token& t) {
     out_.append(reinterpret_cast<const char*>(t.data()), t.size());
   }
-  void Bytes(absl::string_view bytes) { out_.append(bytes.data(), bytes.size()); }
+  void Bytes(absl::string_view bytes) {
+    out_.append(bytes.data(), bytes.size());
+  }
   std::string Take() { return std::move(out_); }
 
  private:
@@ -328,16 +330,15 @@ Message EncodeReadStart(ReadStartHeader header, const ReadStartBody& body) {
 absl::StatusOr<ReadStartBody> DecodeReadStartBody(const ReadStartHeader& h,
                                                   absl::string_view data) {
   const bool bounded = (h.flags & kReadFlagBounded) != 0;
-  const uint64_t want = uint64_t{h.rkey_length} +
-                        kDestinationBytes * h.num_blocks +
-                        h.client_address_length +
-                        (bounded ? kReadBoundsBytes : 0);
+  const uint64_t want =
+      uint64_t{h.rkey_length} + kDestinationBytes * h.num_blocks +
+      h.client_address_length + (bounded ? kReadBoundsBytes : 0);
   if (data.size() != want) {
     return absl::InvalidArgumentError(absl::StrCat(
         "read request names ", h.num_blocks, " blocks and keys of ",
         h.rkey_length, " + ", h.client_address_length, " bytes",
-        bounded ? " with bounds" : "", " in ", data.size(),
-        " bytes; expected ", want));
+        bounded ? " with bounds" : "", " in ", data.size(), " bytes; expected ",
+        want));
   }
   Reader r(data);
   ReadStartBody body;
@@ -380,10 +381,10 @@ absl::StatusOr<WritePullBody> DecodeWritePullBody(const WritePullHeader& h,
                         kWritePullEntryBytes * h.num_blocks +
                         h.client_address_length;
   if (data.size() != want) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "write pull names ", h.num_blocks, " blocks and keys of ",
-        h.rkey_length, " + ", h.client_address_length, " bytes in ",
-        data.size(), " bytes; expected ", want));
+    return absl::InvalidArgumentError(
+        absl::StrCat("write pull names ", h.num_blocks, " blocks and keys of ",
+                     h.rkey_length, " + ", h.client_address_length,
+                     " bytes in ", data.size(), " bytes; expected ", want));
   }
   if (h.region_length > UINT64_MAX - h.region_base) {
     return absl::InvalidArgumentError("write region wraps the address space");

@@ -228,10 +228,10 @@ Message EncodeWritePull(WritePullHeader header, const WritePullBody& body);
 // them). INVALID_ARGUMENT when the size of `data` is not exactly what the
 // header's counts, lengths and flags say, or the region's bounds wrap the
 // address space.
-absl::StatusOr<ReadStartBody> DecodeReadStartBody(
-    const ReadStartHeader& header, absl::string_view data);
-absl::StatusOr<WritePullBody> DecodeWritePullBody(
-    const WritePullHeader& header, absl::string_view data);
+absl::StatusOr<ReadStartBody> DecodeReadStartBody(const ReadStartHeader& header,
+                                                  absl::string_view data);
+absl::StatusOr<WritePullBody> DecodeWritePullBody(const WritePullHeader& header,
+                                                  absl::string_view data);
 
 // Whether the `size` bytes at `address` lie inside the region of `length`
 // bytes at `base` (which must not wrap: the decoders check it). A block

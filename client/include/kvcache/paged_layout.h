@@ -76,14 +76,13 @@ absl::Status ValidateView(const PagedKvView& view);
 // or an entry of it is >= num_blocks.
 absl::Status GatherStoreBlock(const PagedKvView& cache,
                               absl::Span<const uint32_t> block_table,
-                              const BlockShape& shape,
-                              uint32_t store_block, absl::Span<uint16_t> out);
+                              const BlockShape& shape, uint32_t store_block,
+                              absl::Span<uint16_t> out);
 
 // The inverse: writes store block `store_block` (`in`, a whole block) into
 // the engine cache. Same errors; nothing is written when it fails.
 absl::Status ScatterStoreBlock(absl::Span<const uint16_t> in,
-                               const BlockShape& shape,
-                               uint32_t store_block,
+                               const BlockShape& shape, uint32_t store_block,
                                absl::Span<const uint32_t> block_table,
                                const PagedKvView& cache);
 
@@ -91,8 +90,8 @@ absl::Status ScatterStoreBlock(absl::Span<const uint16_t> in,
 // layer's [T][H][D] tensors (T*H*D halves each). For layer-wise loading.
 absl::Status ScatterStoreBlockLayer(absl::Span<const uint16_t> k,
                                     absl::Span<const uint16_t> v,
-                                    const BlockShape& shape,
-                                    uint32_t layer, uint32_t store_block,
+                                    const BlockShape& shape, uint32_t layer,
+                                    uint32_t store_block,
                                     absl::Span<const uint32_t> block_table,
                                     const PagedKvView& cache);
 
