@@ -161,8 +161,13 @@ KvCacheServiceImpl::KvCacheServiceImpl(store::Store* store, Metrics* metrics,
       data_plane_(data_plane),
       tenants_(tenants) {}
 
+const char* KvCacheServiceImpl::DefaultTenantLabel() const {
+  return tenants_ == nullptr ? "open" : "unauthenticated";
+}
+
 absl::StatusOr<KvCacheServiceImpl::Caller> KvCacheServiceImpl::Authorize(
-    grpc::CallbackServerContext* ctx, Role role, const std::string* ns) const {
+    grpc::CallbackServerContext* ctx, std::string* label, Role role,
+    const std::string* ns) const {
   if (tenants_ == nullptr) return Caller{};
   std::string authorization;
   const auto& metadata = ctx->client_metadata();
@@ -186,6 +191,7 @@ absl::StatusOr<KvCacheServiceImpl::Caller> KvCacheServiceImpl::Authorize(
       tenants_->Authenticate(authorization, peers);
   if (!tenant.ok()) return tenant.status();
   const Tenant& t = **tenant;
+  *label = t.name;
   if (t.role < role) {
     return absl::PermissionDeniedError(
         absl::StrCat("tenant '", t.name, "' has role ", RoleName(t.role),
@@ -199,9 +205,9 @@ absl::StatusOr<KvCacheServiceImpl::Caller> KvCacheServiceImpl::Authorize(
 }
 
 absl::StatusOr<KvCacheServiceImpl::Caller> KvCacheServiceImpl::AuthorizeLease(
-    grpc::CallbackServerContext* ctx, Role role, uint64_t lease_id,
-    bool read) const {
-  absl::StatusOr<Caller> caller = Authorize(ctx, role, nullptr);
+    grpc::CallbackServerContext* ctx, std::string* label, Role role,
+    uint64_t lease_id, bool read) const {
+  absl::StatusOr<Caller> caller = Authorize(ctx, label, role, nullptr);
   if (!caller.ok() || tenants_ == nullptr) return caller;
   if (absl::Status s =
           store_->CheckLeaseHolder(lease_id, read, caller->holder());
@@ -222,12 +228,13 @@ uint16_t KvCacheServiceImpl::OwnerFor(const Caller& caller,
 void KvCacheServiceImpl::Finish(grpc::CallbackServerContext* ctx,
                                 grpc::ServerUnaryReactor* reactor,
                                 const char* op, absl::Time start,
+                                absl::string_view tenant,
                                 const absl::Status& status) {
   if (status.code() == absl::StatusCode::kResourceExhausted) {
     ctx->AddTrailingMetadata(kRetryAfterKey, kRetryAfterMs);
   }
   grpc::Status grpc_status = ToGrpcStatus(status);
-  metrics_->RecordRequest(op, GrpcCodeName(grpc_status.error_code()),
+  metrics_->RecordRequest(op, GrpcCodeName(grpc_status.error_code()), tenant,
                           absl::ToDoubleSeconds(absl::Now() - start));
   reactor->Finish(grpc_status);
 }
@@ -239,12 +246,13 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Run(
   absl::Time start = absl::Now();
   auto work = [this, ctx, op, reactor, start, fn = std::forward<Fn>(fn)]() {
     absl::Status status;
+    std::string tenant = DefaultTenantLabel();
     if (ctx->IsCancelled()) {
       status = absl::CancelledError("call cancelled before it ran");
     } else {
-      status = fn();
+      status = fn(&tenant);
     }
-    Finish(ctx, reactor, op, start, status);
+    Finish(ctx, reactor, op, start, tenant, status);
   };
   if (offload) {
     workers_->Schedule(std::move(work));
@@ -258,33 +266,34 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::RegisterNamespace(
     grpc::CallbackServerContext* ctx,
     const v1::RegisterNamespaceRequest* request,
     v1::RegisterNamespaceResponse* response) {
-  return Run(ctx, "register_namespace", false, [=]() -> absl::Status {
-    absl::StatusOr<Caller> caller =
-        Authorize(ctx, Role::kWrite, &request->spec().name());
-    if (!caller.ok()) return caller.status();
-    absl::StatusOr<store::NamespaceConfig> config =
-        ConfigFromProto(request->spec());
-    if (!config.ok()) return config.status();
-    config->owner = OwnerFor(*caller, config->name);
-    absl::StatusOr<store::NamespaceInfo> info =
-        store_->RegisterNamespace(*std::move(config));
-    if (!info.ok()) return info.status();
-    response->set_fingerprint(info->fingerprint);
-    response->set_already_registered(info->already_registered);
-    response->set_effective_codec(
-        proto::CodecToProto(info->config.policy.codec));
-    response->set_fp16_block_bytes(info->fp16_block_bytes);
-    response->set_encoded_block_bytes(info->encoded_block_bytes);
-    return absl::OkStatus();
-  });
+  return Run(ctx, "register_namespace", false,
+             [=](std::string* tenant) -> absl::Status {
+               absl::StatusOr<Caller> caller = Authorize(
+                   ctx, tenant, Role::kWrite, &request->spec().name());
+               if (!caller.ok()) return caller.status();
+               absl::StatusOr<store::NamespaceConfig> config =
+                   ConfigFromProto(request->spec());
+               if (!config.ok()) return config.status();
+               config->owner = OwnerFor(*caller, config->name);
+               absl::StatusOr<store::NamespaceInfo> info =
+                   store_->RegisterNamespace(*std::move(config));
+               if (!info.ok()) return info.status();
+               response->set_fingerprint(info->fingerprint);
+               response->set_already_registered(info->already_registered);
+               response->set_effective_codec(
+                   proto::CodecToProto(info->config.policy.codec));
+               response->set_fp16_block_bytes(info->fp16_block_bytes);
+               response->set_encoded_block_bytes(info->encoded_block_bytes);
+               return absl::OkStatus();
+             });
 }
 
 grpc::ServerUnaryReactor* KvCacheServiceImpl::Lookup(
     grpc::CallbackServerContext* ctx, const v1::LookupRequest* request,
     v1::LookupResponse* response) {
-  return Run(ctx, "lookup", false, [=]() -> absl::Status {
+  return Run(ctx, "lookup", false, [=](std::string* tenant) -> absl::Status {
     absl::StatusOr<Caller> caller =
-        Authorize(ctx, Role::kRead, &request->namespace_name());
+        Authorize(ctx, tenant, Role::kRead, &request->namespace_name());
     if (!caller.ok()) return caller.status();
     absl::StatusOr<store::LookupResult> r = store_->Lookup(
         request->namespace_name(), Keys(request->keys()), request->pin(),
@@ -299,34 +308,36 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Lookup(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginWrite(
     grpc::CallbackServerContext* ctx, const v1::BeginWriteRequest* request,
     v1::BeginWriteResponse* response) {
-  return Run(ctx, "begin_write", false, [=]() -> absl::Status {
-    absl::StatusOr<Caller> caller =
-        Authorize(ctx, Role::kWrite, &request->namespace_name());
-    if (!caller.ok()) return caller.status();
-    std::vector<store::BlockRef> blocks;
-    blocks.reserve(request->blocks_size());
-    for (const v1::BlockRef& b : request->blocks()) {
-      blocks.push_back({b.key(), b.parent_key()});
-    }
-    absl::StatusOr<store::BeginWriteResult> r =
-        store_->BeginWrite(request->namespace_name(), std::move(blocks),
-                           Millis(request->lease_ttl_ms()), caller->holder());
-    if (!r.ok()) return r.status();
-    if (request->use_data_plane() && data_plane_ != nullptr) {
-      // Staging for the blocks that will travel; none: no write at all (the
-      // session's claim aborts the store write).
-      absl::StatusOr<ucx::Token> token =
-          data_plane_->OpenWrite(store::WriteClaim(store_, r->write_id), *r);
-      if (!token.ok()) return token.status();
-      DescribeDataPlane(*data_plane_, *token, response->mutable_data_plane());
-      response->mutable_data_plane()->set_pull_writes(true);
-    }
-    response->set_write_id(r->write_id);
-    for (bool present : r->present) response->add_present(present);
-    response->set_fp16_block_bytes(r->fp16_block_bytes);
-    response->set_lease_deadline_unix_ms(absl::ToUnixMillis(r->deadline));
-    return absl::OkStatus();
-  });
+  return Run(
+      ctx, "begin_write", false, [=](std::string* tenant) -> absl::Status {
+        absl::StatusOr<Caller> caller =
+            Authorize(ctx, tenant, Role::kWrite, &request->namespace_name());
+        if (!caller.ok()) return caller.status();
+        std::vector<store::BlockRef> blocks;
+        blocks.reserve(request->blocks_size());
+        for (const v1::BlockRef& b : request->blocks()) {
+          blocks.push_back({b.key(), b.parent_key()});
+        }
+        absl::StatusOr<store::BeginWriteResult> r = store_->BeginWrite(
+            request->namespace_name(), std::move(blocks),
+            Millis(request->lease_ttl_ms()), caller->holder());
+        if (!r.ok()) return r.status();
+        if (request->use_data_plane() && data_plane_ != nullptr) {
+          // Staging for the blocks that will travel; none: no write at all (the
+          // session's claim aborts the store write).
+          absl::StatusOr<ucx::Token> token = data_plane_->OpenWrite(
+              store::WriteClaim(store_, r->write_id), *r);
+          if (!token.ok()) return token.status();
+          DescribeDataPlane(*data_plane_, *token,
+                            response->mutable_data_plane());
+          response->mutable_data_plane()->set_pull_writes(true);
+        }
+        response->set_write_id(r->write_id);
+        for (bool present : r->present) response->add_present(present);
+        response->set_fp16_block_bytes(r->fp16_block_bytes);
+        response->set_lease_deadline_unix_ms(absl::ToUnixMillis(r->deadline));
+        return absl::OkStatus();
+      });
 }
 
 absl::Status KvCacheServiceImpl::CommitInline(
@@ -356,19 +367,24 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::CommitWrite(
     v1::CommitWriteResponse* response) {
   // Checked before the data plane sees the id: another tenant's id must not
   // end (or wait on) a session.
+  std::string label = DefaultTenantLabel();
   if (absl::StatusOr<Caller> caller = AuthorizeLease(
-          ctx, Role::kWrite, request->write_id(), /*read=*/false);
+          ctx, &label, Role::kWrite, request->write_id(), /*read=*/false);
       !caller.ok()) {
     return Run(ctx, "commit_write", false,
-               [status = caller.status()] { return status; });
+               [status = caller.status(), label](std::string* tenant) {
+                 *tenant = label;
+                 return status;
+               });
   }
   if (data_plane_ != nullptr && request->payloads_size() == 0) {
     // The bytes came (or are coming) over the data plane: the commit runs
     // once they have all landed, bounded by this call's deadline.
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
     absl::Time start = absl::Now();
-    auto finish = [this, ctx, reactor, start](const absl::Status& status) {
-      Finish(ctx, reactor, "commit_write", start, status);
+    auto finish = [this, ctx, reactor, start,
+                   label](const absl::Status& status) {
+      Finish(ctx, reactor, "commit_write", start, label, status);
     };
     bool handled = data_plane_->Commit(
         request->write_id(), absl::FromChrono(ctx->deadline()),
@@ -394,21 +410,26 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::CommitWrite(
     data_plane_->TakeWrite(request->write_id()).Release();
   }
   return Run(ctx, "commit_write", true,
-             [=]() -> absl::Status { return CommitInline(request, response); });
+             [=](std::string* tenant) -> absl::Status {
+               *tenant = label;
+               return CommitInline(request, response);
+             });
 }
 
 grpc::ServerUnaryReactor* KvCacheServiceImpl::AbortWrite(
     grpc::CallbackServerContext* ctx, const v1::AbortWriteRequest* request,
     v1::AbortWriteResponse* response) {
-  return Run(ctx, "abort_write", false, [=]() -> absl::Status {
-    absl::StatusOr<Caller> caller =
-        AuthorizeLease(ctx, Role::kWrite, request->write_id(), /*read=*/false);
-    if (!caller.ok()) return caller.status();
-    store::WriteClaim claim =
-        data_plane_ != nullptr ? data_plane_->TakeWrite(request->write_id())
-                               : store::WriteClaim(store_, request->write_id());
-    return claim.Abort();
-  });
+  return Run(
+      ctx, "abort_write", false, [=](std::string* tenant) -> absl::Status {
+        absl::StatusOr<Caller> caller = AuthorizeLease(
+            ctx, tenant, Role::kWrite, request->write_id(), /*read=*/false);
+        if (!caller.ok()) return caller.status();
+        store::WriteClaim claim =
+            data_plane_ != nullptr
+                ? data_plane_->TakeWrite(request->write_id())
+                : store::WriteClaim(store_, request->write_id());
+        return claim.Abort();
+      });
 }
 
 absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
@@ -469,9 +490,9 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
     grpc::CallbackServerContext* ctx, const v1::BeginReadRequest* request,
     v1::BeginReadResponse* response) {
-  return Run(ctx, "begin_read", true, [=]() -> absl::Status {
+  return Run(ctx, "begin_read", true, [=](std::string* tenant) -> absl::Status {
     absl::StatusOr<Caller> caller =
-        Authorize(ctx, Role::kRead, &request->namespace_name());
+        Authorize(ctx, tenant, Role::kRead, &request->namespace_name());
     if (!caller.ok()) return caller.status();
     absl::StatusOr<store::ReadFormat> format = ReadFormatFromProto(*request);
     if (!format.ok()) return format.status();
@@ -504,9 +525,9 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::EndRead(
     grpc::CallbackServerContext* ctx, const v1::EndReadRequest* request,
     v1::EndReadResponse* response) {
-  return Run(ctx, "end_read", false, [=]() -> absl::Status {
-    absl::StatusOr<Caller> caller =
-        AuthorizeLease(ctx, Role::kRead, request->lease_id(), /*read=*/true);
+  return Run(ctx, "end_read", false, [=](std::string* tenant) -> absl::Status {
+    absl::StatusOr<Caller> caller = AuthorizeLease(
+        ctx, tenant, Role::kRead, request->lease_id(), /*read=*/true);
     if (!caller.ok()) return caller.status();
     std::optional<store::ReadClaim> claim =
         data_plane_ != nullptr ? data_plane_->EndRead(request->lease_id())
@@ -521,9 +542,9 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::EndRead(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::Delete(
     grpc::CallbackServerContext* ctx, const v1::DeleteRequest* request,
     v1::DeleteResponse* response) {
-  return Run(ctx, "delete", false, [=]() -> absl::Status {
+  return Run(ctx, "delete", false, [=](std::string* tenant) -> absl::Status {
     absl::StatusOr<Caller> caller =
-        Authorize(ctx, Role::kWrite, &request->namespace_name());
+        Authorize(ctx, tenant, Role::kWrite, &request->namespace_name());
     if (!caller.ok()) return caller.status();
     absl::StatusOr<uint32_t> n =
         store_->Delete(request->namespace_name(), Keys(request->keys()));
@@ -536,8 +557,9 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Delete(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::Stats(
     grpc::CallbackServerContext* ctx, const v1::StatsRequest* request,
     v1::StatsResponse* response) {
-  return Run(ctx, "stats", false, [=]() -> absl::Status {
-    absl::StatusOr<Caller> caller = Authorize(ctx, Role::kRead, nullptr);
+  return Run(ctx, "stats", false, [=](std::string* tenant) -> absl::Status {
+    absl::StatusOr<Caller> caller =
+        Authorize(ctx, tenant, Role::kRead, nullptr);
     if (!caller.ok()) return caller.status();
     FillStats(*caller, response);
     return absl::OkStatus();
@@ -598,17 +620,18 @@ void KvCacheServiceImpl::FillStats(const Caller& caller,
 grpc::ServerUnaryReactor* KvCacheServiceImpl::DropNamespace(
     grpc::CallbackServerContext* ctx, const v1::DropNamespaceRequest* request,
     v1::DropNamespaceResponse* response) {
-  return Run(ctx, "drop_namespace", false, [=]() -> absl::Status {
-    absl::StatusOr<Caller> caller =
-        Authorize(ctx, Role::kWrite, &request->namespace_name());
-    if (!caller.ok()) return caller.status();
-    absl::StatusOr<store::DropResult> r =
-        store_->DropNamespace(request->namespace_name());
-    if (!r.ok()) return r.status();
-    response->set_blocks_dropped(r->blocks);
-    response->set_freed_bytes(r->freed_bytes);
-    return absl::OkStatus();
-  });
+  return Run(
+      ctx, "drop_namespace", false, [=](std::string* tenant) -> absl::Status {
+        absl::StatusOr<Caller> caller =
+            Authorize(ctx, tenant, Role::kWrite, &request->namespace_name());
+        if (!caller.ok()) return caller.status();
+        absl::StatusOr<store::DropResult> r =
+            store_->DropNamespace(request->namespace_name());
+        if (!r.ok()) return r.status();
+        response->set_blocks_dropped(r->blocks);
+        response->set_freed_bytes(r->freed_bytes);
+        return absl::OkStatus();
+      });
 }
 
 }  // namespace kvcache::service

@@ -79,13 +79,15 @@ class KvCacheServiceImpl final : public kvcache::v1::KvCache::CallbackService {
   };
   // Authenticates the call and checks that its tenant has `role` and owns
   // namespace `ns` (when not null). UNAUTHENTICATED / PERMISSION_DENIED.
-  absl::StatusOr<Caller> Authorize(grpc::CallbackServerContext* ctx, Role role,
+  // Sets *label to the tenant's name once it is known.
+  absl::StatusOr<Caller> Authorize(grpc::CallbackServerContext* ctx,
+                                   std::string* label, Role role,
                                    const std::string* ns) const;
   // Authorize, and that lease `lease_id` (a read lease when `read`) is the
   // caller's (FAILED_PRECONDITION as for an unknown id).
   absl::StatusOr<Caller> AuthorizeLease(grpc::CallbackServerContext* ctx,
-                                        Role role, uint64_t lease_id,
-                                        bool read) const;
+                                        std::string* label, Role role,
+                                        uint64_t lease_id, bool read) const;
   // The store owner of a namespace `caller` registers: its own id, or for
   // an admin the write tenant whose prefix it matches (else the admin's).
   uint16_t OwnerFor(const Caller& caller, const std::string& ns) const;
@@ -93,10 +95,16 @@ class KvCacheServiceImpl final : public kvcache::v1::KvCache::CallbackService {
   template <typename Fn>
   grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx,
                                 const char* op, bool offload, Fn&& fn);
+  // Runs fn(&tenant) (inline or on the worker pool), then Finish. fn sets
+  // `tenant`, the metrics label, once it knows the caller (Authorize does).
   // Ends a call: retry hint, metrics, reactor->Finish.
   void Finish(grpc::CallbackServerContext* ctx,
               grpc::ServerUnaryReactor* reactor, const char* op,
-              absl::Time start, const absl::Status& status);
+              absl::Time start, absl::string_view tenant,
+              const absl::Status& status);
+  // The metrics label of a call whose tenant is not known: "open" without
+  // tenants, else "unauthenticated".
+  const char* DefaultTenantLabel() const;
   absl::Status CommitInline(const v1::CommitWriteRequest* request,
                             v1::CommitWriteResponse* response);
   // BeginRead over the data plane: pins, stages the copies, answers with

@@ -690,7 +690,10 @@ TEST_P(NodeTest, MetricsExposeCapacityRequestsAndCodecs) {
   auto body = kvcache::testing::HttpGet(node_->metrics_port(), "/metrics");
   ASSERT_TRUE(body.ok()) << body.status();
   for (const char* needle : {
-           "kvcache_requests_total{code=\"OK\",op=\"commit_write\"} 1",
+           GetParam() ? "kvcache_requests_total{code=\"OK\",op=\"commit_"
+                        "write\",tenant=\"admin\"} 1"
+                      : "kvcache_requests_total{code=\"OK\",op=\"commit_"
+                        "write\",tenant=\"open\"} 1",
            "kvcache_request_duration_seconds_bucket",
            "kvcache_lookup_blocks_total{result=\"hit\"} 2",
            "kvcache_lookup_blocks_total{result=\"miss\"} 1",

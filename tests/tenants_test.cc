@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "kvcache/client.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
+#include "service/metrics.h"
 #include "service/node.h"
 #include "tests/test_tenants.h"
 #include "tests/test_util.h"
@@ -528,6 +529,26 @@ TEST_F(TenantsTest, TheFileIsReloadedWithoutARestart) {
   }
   EXPECT_EQ(c->Stats().status().code(), absl::StatusCode::kUnauthenticated);
   EXPECT_TRUE(new_b->Stats().ok());
+}
+
+// The requests' tenant label takes names from the file only: a caller
+// cannot make up a series.
+TEST_F(TenantsTest, RequestMetricsCarryTheTenantFromTheFile) {
+  auto a = As("token-a");
+  ASSERT_TRUE(a->Stats().ok());
+  EXPECT_FALSE(As("made-up-tenant")->Stats().ok());
+  EXPECT_EQ(a->Lookup("b/m", {Key(0)}).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  const std::string metrics = node_->metrics()->Render();
+  for (const char* series :
+       {"kvcache_requests_total{code=\"OK\",op=\"stats\",tenant=\"team-a\"} 1",
+        "kvcache_requests_total{code=\"UNAUTHENTICATED\",op=\"stats\","
+        "tenant=\"unauthenticated\"} 1",
+        "kvcache_requests_total{code=\"PERMISSION_DENIED\",op=\"lookup\","
+        "tenant=\"team-a\"} 1"}) {
+    EXPECT_NE(metrics.find(series), std::string::npos) << series;
+  }
+  EXPECT_EQ(metrics.find("made-up"), std::string::npos);
 }
 
 TEST(OpenNodeTest, WithoutTenantsEveryCallerMayDoEverything) {
