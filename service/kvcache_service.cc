@@ -266,32 +266,40 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::RegisterNamespace(
     grpc::CallbackServerContext* ctx,
     const v1::RegisterNamespaceRequest* request,
     v1::RegisterNamespaceResponse* response) {
-  return Run(ctx, "register_namespace", false,
-             [=](std::string* tenant) -> absl::Status {
-               absl::StatusOr<Caller> caller = Authorize(
-                   ctx, tenant, Role::kWrite, &request->spec().name());
-               if (!caller.ok()) return caller.status();
-               absl::StatusOr<store::NamespaceConfig> config =
-                   ConfigFromProto(request->spec());
-               if (!config.ok()) return config.status();
-               config->owner = OwnerFor(*caller, config->name);
-               absl::StatusOr<store::NamespaceInfo> info =
-                   store_->RegisterNamespace(*std::move(config));
-               if (!info.ok()) return info.status();
-               response->set_fingerprint(info->fingerprint);
-               response->set_already_registered(info->already_registered);
-               response->set_effective_codec(
-                   proto::CodecToProto(info->config.policy.codec));
-               response->set_fp16_block_bytes(info->fp16_block_bytes);
-               response->set_encoded_block_bytes(info->encoded_block_bytes);
-               return absl::OkStatus();
-             });
+  return Run(ctx, "register_namespace", false, [=](std::string* tenant) {
+    // A reader may "register" what exists with the same spec (workers do at
+    // start); creating one takes the write role.
+    absl::StatusOr<Caller> caller =
+        Authorize(ctx, tenant, Role::kRead, &request->spec().name());
+    if (!caller.ok()) return caller.status();
+    const bool create =
+        caller->tenant == nullptr || caller->tenant->role >= Role::kWrite;
+    absl::StatusOr<store::NamespaceConfig> config =
+        ConfigFromProto(request->spec());
+    if (!config.ok()) return config.status();
+    config->owner = OwnerFor(*caller, config->name);
+    absl::StatusOr<store::NamespaceInfo> info =
+        store_->RegisterNamespace(*std::move(config), create);
+    if (!create && info.status().code() == absl::StatusCode::kNotFound) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("tenant '", caller->tenant->name,
+                       "' has role read: it cannot register a new namespace"));
+    }
+    if (!info.ok()) return info.status();
+    response->set_fingerprint(info->fingerprint);
+    response->set_already_registered(info->already_registered);
+    response->set_effective_codec(
+        proto::CodecToProto(info->config.policy.codec));
+    response->set_fp16_block_bytes(info->fp16_block_bytes);
+    response->set_encoded_block_bytes(info->encoded_block_bytes);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* KvCacheServiceImpl::Lookup(
     grpc::CallbackServerContext* ctx, const v1::LookupRequest* request,
     v1::LookupResponse* response) {
-  return Run(ctx, "lookup", false, [=](std::string* tenant) -> absl::Status {
+  return Run(ctx, "lookup", false, [=](std::string* tenant) {
     absl::StatusOr<Caller> caller =
         Authorize(ctx, tenant, Role::kRead, &request->namespace_name());
     if (!caller.ok()) return caller.status();
@@ -308,36 +316,34 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Lookup(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginWrite(
     grpc::CallbackServerContext* ctx, const v1::BeginWriteRequest* request,
     v1::BeginWriteResponse* response) {
-  return Run(
-      ctx, "begin_write", false, [=](std::string* tenant) -> absl::Status {
-        absl::StatusOr<Caller> caller =
-            Authorize(ctx, tenant, Role::kWrite, &request->namespace_name());
-        if (!caller.ok()) return caller.status();
-        std::vector<store::BlockRef> blocks;
-        blocks.reserve(request->blocks_size());
-        for (const v1::BlockRef& b : request->blocks()) {
-          blocks.push_back({b.key(), b.parent_key()});
-        }
-        absl::StatusOr<store::BeginWriteResult> r = store_->BeginWrite(
-            request->namespace_name(), std::move(blocks),
-            Millis(request->lease_ttl_ms()), caller->holder());
-        if (!r.ok()) return r.status();
-        if (request->use_data_plane() && data_plane_ != nullptr) {
-          // Staging for the blocks that will travel; none: no write at all (the
-          // session's claim aborts the store write).
-          absl::StatusOr<ucx::Token> token = data_plane_->OpenWrite(
-              store::WriteClaim(store_, r->write_id), *r);
-          if (!token.ok()) return token.status();
-          DescribeDataPlane(*data_plane_, *token,
-                            response->mutable_data_plane());
-          response->mutable_data_plane()->set_pull_writes(true);
-        }
-        response->set_write_id(r->write_id);
-        for (bool present : r->present) response->add_present(present);
-        response->set_fp16_block_bytes(r->fp16_block_bytes);
-        response->set_lease_deadline_unix_ms(absl::ToUnixMillis(r->deadline));
-        return absl::OkStatus();
-      });
+  return Run(ctx, "begin_write", false, [=](std::string* tenant) {
+    absl::StatusOr<Caller> caller =
+        Authorize(ctx, tenant, Role::kWrite, &request->namespace_name());
+    if (!caller.ok()) return caller.status();
+    std::vector<store::BlockRef> blocks;
+    blocks.reserve(request->blocks_size());
+    for (const v1::BlockRef& b : request->blocks()) {
+      blocks.push_back({b.key(), b.parent_key()});
+    }
+    absl::StatusOr<store::BeginWriteResult> r =
+        store_->BeginWrite(request->namespace_name(), std::move(blocks),
+                           Millis(request->lease_ttl_ms()), caller->holder());
+    if (!r.ok()) return r.status();
+    if (request->use_data_plane() && data_plane_ != nullptr) {
+      // Staging for the blocks that will travel; none: no write at all (the
+      // session's claim aborts the store write).
+      absl::StatusOr<ucx::Token> token =
+          data_plane_->OpenWrite(store::WriteClaim(store_, r->write_id), *r);
+      if (!token.ok()) return token.status();
+      DescribeDataPlane(*data_plane_, *token, response->mutable_data_plane());
+      response->mutable_data_plane()->set_pull_writes(true);
+    }
+    response->set_write_id(r->write_id);
+    for (bool present : r->present) response->add_present(present);
+    response->set_fp16_block_bytes(r->fp16_block_bytes);
+    response->set_lease_deadline_unix_ms(absl::ToUnixMillis(r->deadline));
+    return absl::OkStatus();
+  });
 }
 
 absl::Status KvCacheServiceImpl::CommitInline(
@@ -409,27 +415,24 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::CommitWrite(
     // to the table for the inline commit to claim.
     data_plane_->TakeWrite(request->write_id()).Release();
   }
-  return Run(ctx, "commit_write", true,
-             [=](std::string* tenant) -> absl::Status {
-               *tenant = label;
-               return CommitInline(request, response);
-             });
+  return Run(ctx, "commit_write", true, [=](std::string* tenant) {
+    *tenant = label;
+    return CommitInline(request, response);
+  });
 }
 
 grpc::ServerUnaryReactor* KvCacheServiceImpl::AbortWrite(
     grpc::CallbackServerContext* ctx, const v1::AbortWriteRequest* request,
     v1::AbortWriteResponse* response) {
-  return Run(
-      ctx, "abort_write", false, [=](std::string* tenant) -> absl::Status {
-        absl::StatusOr<Caller> caller = AuthorizeLease(
-            ctx, tenant, Role::kWrite, request->write_id(), /*read=*/false);
-        if (!caller.ok()) return caller.status();
-        store::WriteClaim claim =
-            data_plane_ != nullptr
-                ? data_plane_->TakeWrite(request->write_id())
-                : store::WriteClaim(store_, request->write_id());
-        return claim.Abort();
-      });
+  return Run(ctx, "abort_write", false, [=](std::string* tenant) {
+    absl::StatusOr<Caller> caller = AuthorizeLease(
+        ctx, tenant, Role::kWrite, request->write_id(), /*read=*/false);
+    if (!caller.ok()) return caller.status();
+    store::WriteClaim claim =
+        data_plane_ != nullptr ? data_plane_->TakeWrite(request->write_id())
+                               : store::WriteClaim(store_, request->write_id());
+    return claim.Abort();
+  });
 }
 
 absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
@@ -490,7 +493,7 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
     grpc::CallbackServerContext* ctx, const v1::BeginReadRequest* request,
     v1::BeginReadResponse* response) {
-  return Run(ctx, "begin_read", true, [=](std::string* tenant) -> absl::Status {
+  return Run(ctx, "begin_read", true, [=](std::string* tenant) {
     absl::StatusOr<Caller> caller =
         Authorize(ctx, tenant, Role::kRead, &request->namespace_name());
     if (!caller.ok()) return caller.status();
@@ -525,7 +528,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::EndRead(
     grpc::CallbackServerContext* ctx, const v1::EndReadRequest* request,
     v1::EndReadResponse* response) {
-  return Run(ctx, "end_read", false, [=](std::string* tenant) -> absl::Status {
+  return Run(ctx, "end_read", false, [=](std::string* tenant) {
     absl::StatusOr<Caller> caller = AuthorizeLease(
         ctx, tenant, Role::kRead, request->lease_id(), /*read=*/true);
     if (!caller.ok()) return caller.status();
@@ -542,7 +545,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::EndRead(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::Delete(
     grpc::CallbackServerContext* ctx, const v1::DeleteRequest* request,
     v1::DeleteResponse* response) {
-  return Run(ctx, "delete", false, [=](std::string* tenant) -> absl::Status {
+  return Run(ctx, "delete", false, [=](std::string* tenant) {
     absl::StatusOr<Caller> caller =
         Authorize(ctx, tenant, Role::kWrite, &request->namespace_name());
     if (!caller.ok()) return caller.status();
@@ -557,7 +560,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Delete(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::Stats(
     grpc::CallbackServerContext* ctx, const v1::StatsRequest* request,
     v1::StatsResponse* response) {
-  return Run(ctx, "stats", false, [=](std::string* tenant) -> absl::Status {
+  return Run(ctx, "stats", false, [=](std::string* tenant) {
     absl::StatusOr<Caller> caller =
         Authorize(ctx, tenant, Role::kRead, nullptr);
     if (!caller.ok()) return caller.status();
@@ -620,18 +623,17 @@ void KvCacheServiceImpl::FillStats(const Caller& caller,
 grpc::ServerUnaryReactor* KvCacheServiceImpl::DropNamespace(
     grpc::CallbackServerContext* ctx, const v1::DropNamespaceRequest* request,
     v1::DropNamespaceResponse* response) {
-  return Run(
-      ctx, "drop_namespace", false, [=](std::string* tenant) -> absl::Status {
-        absl::StatusOr<Caller> caller =
-            Authorize(ctx, tenant, Role::kWrite, &request->namespace_name());
-        if (!caller.ok()) return caller.status();
-        absl::StatusOr<store::DropResult> r =
-            store_->DropNamespace(request->namespace_name());
-        if (!r.ok()) return r.status();
-        response->set_blocks_dropped(r->blocks);
-        response->set_freed_bytes(r->freed_bytes);
-        return absl::OkStatus();
-      });
+  return Run(ctx, "drop_namespace", false, [=](std::string* tenant) {
+    absl::StatusOr<Caller> caller =
+        Authorize(ctx, tenant, Role::kWrite, &request->namespace_name());
+    if (!caller.ok()) return caller.status();
+    absl::StatusOr<store::DropResult> r =
+        store_->DropNamespace(request->namespace_name());
+    if (!r.ok()) return r.status();
+    response->set_blocks_dropped(r->blocks);
+    response->set_freed_bytes(r->freed_bytes);
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace kvcache::service

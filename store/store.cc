@@ -376,7 +376,8 @@ Store::Shard& Store::ShardOf(const KeyRef& ref) const {
 
 // ---------------------------------------------------------------- namespaces
 
-absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config) {
+absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config,
+                                                       bool create) {
   if (absl::Status s = ValidateName(config.name); !s.ok()) return s;
   if (config.owner >= kMaxOwners) {
     return absl::InvalidArgumentError(
@@ -429,6 +430,10 @@ absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config) {
     NamespaceInfo existing = other->info;
     existing.already_registered = true;
     return existing;
+  }
+  if (!create) {
+    return absl::NotFoundError(
+        absl::StrCat("namespace '", info.config.name, "' is not registered"));
   }
   if (live >= options_.max_namespaces || free_slot >= options_.max_namespaces) {
     return absl::ResourceExhaustedError(

@@ -288,8 +288,10 @@ class Store {
   // FAILED_PRECONDITION: the name exists with a different layout or policy.
   // RESOURCE_EXHAUSTED: max_namespaces reached, or the owner's quota of
   // namespaces. Registering an existing name again (same spec) answers it
-  // with already_registered, whoever asks; its owner stays.
-  absl::StatusOr<NamespaceInfo> RegisterNamespace(NamespaceConfig config);
+  // with already_registered, whoever asks; its owner stays. With create
+  // false a name that is not registered is NOT_FOUND (nothing is created).
+  absl::StatusOr<NamespaceInfo> RegisterNamespace(NamespaceConfig config,
+                                                  bool create = true);
   absl::StatusOr<NamespaceInfo> GetNamespace(const std::string& name) const;
 
   // Longest cached prefix of `keys`. With pin, the prefix is pinned under a

@@ -932,6 +932,17 @@ TEST(StoreTest, RegistrationRules) {
   auto again = store->RegisterNamespace(Config("ns", Codec::kNone));
   ASSERT_TRUE(again.ok());
   EXPECT_TRUE(again->already_registered);
+  // Without create, only what exists (with its spec) is answered.
+  auto existing = store->RegisterNamespace(Config("ns", Codec::kNone),
+                                           /*create=*/false);
+  ASSERT_TRUE(existing.ok());
+  EXPECT_TRUE(existing->already_registered);
+  EXPECT_EQ(store
+                ->RegisterNamespace(Config("new", Codec::kNone),
+                                    /*create=*/false)
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
   NamespaceConfig other = Config("ns", Codec::kNone);
   other.shape.num_layers = 3;
   EXPECT_EQ(store->RegisterNamespace(other).status().code(),
@@ -1027,6 +1038,71 @@ TEST(StoreOwnerTest, ADropLeavesABlockPinnedByAReadUntilTheReadEnds) {
   EXPECT_EQ(store->Stats().pinned_bytes, 2u * 4 * kPage);
   ASSERT_TRUE(store->EndLease(read->lease_id).ok());
   EXPECT_EQ(store->Stats().pinned_bytes, 0u);
+}
+
+// Drops and registrations race with writers, readers and pins of the same
+// names: nothing crashes, every call answers a code of its contract, and
+// at the end the accounting equals what the namespaces hold.
+TEST(StoreOwnerTest, DropsRacingWithWritesAndReadsKeepTheAccountingExact) {
+  StoreOptions options;
+  options.max_namespaces = 4;
+  auto store = MakeStore(2 << 20, options);
+  const std::vector<std::string> names = {"r0", "r1", "r2"};
+  for (const std::string& n : names) {
+    ASSERT_TRUE(store->RegisterNamespace(Config(n, Codec::kNone)).ok());
+  }
+  std::atomic<bool> stop{false};
+  std::atomic<int> unexpected{0};
+  auto expect = [&](const absl::Status& s) {
+    switch (s.code()) {
+      case absl::StatusCode::kOk:
+      case absl::StatusCode::kNotFound:
+      case absl::StatusCode::kFailedPrecondition:
+      case absl::StatusCode::kResourceExhausted:
+      case absl::StatusCode::kAborted:
+        return;
+      default:
+        ++unexpected;
+        ADD_FAILURE() << s;
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; !stop; ++i) {
+        const std::string& ns = names[(i + t) % names.size()];
+        expect(WriteChain(store.get(), ns, (i * 3) % 40, 3));
+        auto pin = store->Lookup(ns, Keys(0, 4), true, absl::Seconds(5));
+        expect(pin.status());
+        ReadOptions read = Copy(ReadFormat::kRaw);
+        read.allow_missing = true;
+        if (pin.ok() && pin->lease_id != 0) read.pin_lease_id = pin->lease_id;
+        expect(store->BeginRead(ns, Keys(0, 4), read).status());
+      }
+    });
+  }
+  threads.emplace_back([&] {
+    for (int i = 0; i < 200; ++i) {
+      const std::string& ns = names[i % names.size()];
+      expect(store->DropNamespace(ns).status());
+      expect(store->RegisterNamespace(Config(ns, Codec::kNone)).status());
+      store->RunMaintenance(absl::Now());
+    }
+    stop = true;
+  });
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(unexpected, 0);
+  store->ExpireLeases(absl::InfiniteFuture());
+  StoreStats s = store->Stats();
+  uint64_t held = 0;
+  for (const NamespaceStats& n : s.namespaces) held += n.stored_bytes;
+  EXPECT_EQ(s.used_bytes, held);
+  EXPECT_EQ(s.pinned_bytes, 0u);
+  EXPECT_EQ(s.reserved_bytes, 0u);
+  EXPECT_EQ(s.active_read_leases + s.active_write_leases, 0u);
+  for (const std::string& n : names) ASSERT_TRUE(store->DropNamespace(n).ok());
+  EXPECT_EQ(store->Stats().used_bytes, 0u);
+  EXPECT_EQ(store->Usage(0).pool_bytes, 0u);
 }
 
 TEST(StoreOwnerTest, ALeaseOfAnotherHolderAnswersAsAnUnknownOne) {
