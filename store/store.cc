@@ -376,8 +376,8 @@ Store::Shard& Store::ShardOf(const KeyRef& ref) const {
 
 // ---------------------------------------------------------------- namespaces
 
-absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config,
-                                                       bool create) {
+absl::StatusOr<std::unique_ptr<Store::Namespace>> Store::MakeNamespace(
+    NamespaceConfig config) const {
   if (absl::Status s = ValidateName(config.name); !s.ok()) return s;
   if (config.owner >= kMaxOwners) {
     return absl::InvalidArgumentError(
@@ -409,6 +409,16 @@ absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config,
         "one block of this layout (", largest, " pages of ", pool_.page_size(),
         " bytes) is larger than the whole pool"));
   }
+  return ns;
+}
+
+absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config,
+                                                       bool create) {
+  absl::StatusOr<std::unique_ptr<Namespace>> made =
+      MakeNamespace(std::move(config));
+  if (!made.ok()) return made.status();
+  std::unique_ptr<Namespace> ns = *std::move(made);
+  NamespaceInfo info = ns->info;
 
   MutexLock lock(&ns_mu_);
   size_t live = 0, owned = 0;

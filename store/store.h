@@ -427,6 +427,10 @@ class Store {
 
   Store(const StoreOptions& options, std::unique_ptr<Arena> arena);
 
+  // The namespace `config` describes, validated (RegisterNamespace's
+  // INVALID_ARGUMENT cases), not in the table yet.
+  absl::StatusOr<std::unique_ptr<Namespace>> MakeNamespace(
+      NamespaceConfig config) const;
   // A live namespace by name, referenced (its slot stays while the
   // reference lives). NOT_FOUND when none.
   absl::StatusOr<NamespaceRef> FindNamespace(const std::string& name) const;
