@@ -409,6 +409,38 @@ TEST_P(ClusterModeTest, PutLookupGetShardAcrossNodes) {
   EXPECT_EQ(gone->prefix_blocks, 0u);
 }
 
+// A credential the nodes refuse is the caller's error on every call, never
+// a dead node's misses: a wrong token does not read as an empty cache.
+class ClusterTenantsTest : public ClusterTest {
+ protected:
+  void SetUp() override {
+    UseTenants();
+    ClusterTest::SetUp();
+  }
+};
+
+TEST_F(ClusterTenantsTest, AWrongTokenOrAnotherTenantsNamespaceIsAnError) {
+  auto cc = ConnectAll();
+  ASSERT_NE(cc, nullptr);
+  ASSERT_TRUE(cc->RegisterNamespace(Spec("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(PutChain(*cc, "ns", Chain(0)).ok());
+  ClusterOptions wrong = Options({Id(0), Id(1), Id(2)});
+  wrong.bearer_token = "not-the-workers-token";
+  auto stranger = Connect(wrong);
+  ASSERT_NE(stranger, nullptr);
+  EXPECT_EQ(
+      stranger->RegisterNamespace(Spec("ns", Codec::kNone)).status().code(),
+      absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(
+      cc->RegisterNamespace(Spec("elsewhere", Codec::kNone)).status().code(),
+      absl::StatusCode::kPermissionDenied);
+  // The nodes stay healthy members for the right credential.
+  auto hit = cc->Lookup("ns", Chain(0));
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(hit->prefix_blocks, static_cast<uint32_t>(kBlocksPerChain));
+  EXPECT_EQ(hit->unavailable_keys, 0u);
+}
+
 TEST_P(ClusterModeTest, AsyncFuturesAndCallbacks) {
   auto cc = ConnectAll();
   ASSERT_NE(cc, nullptr);
