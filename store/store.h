@@ -375,10 +375,13 @@ class Store {
   absl::Status CheckLeaseHolder(uint64_t lease_id, bool read,
                                 uint32_t holder) const;
 
-  // Removes namespace `name`: its blocks go (pinned ones when their last
-  // pin goes), its read leases and idle write leases end, a write being
-  // committed stores nothing of it, and its name and slot are free for a
-  // new registration. NOT_FOUND when it is not registered.
+  // Removes namespace `name`: its blocks leave the index and the
+  // accounting at once (a pinned block's pages go back at its last unpin),
+  // its read leases and idle write leases end (a read lease held by a
+  // transfer, HoldReadLease, ends with the transfer; a write being
+  // committed or staged stores nothing), its name is free for a new
+  // registration at once and its slot once nothing refers to it. NOT_FOUND
+  // when it is not registered.
   absl::StatusOr<DropResult> DropNamespace(const std::string& name);
 
   // Sets (or, with a zero quota, clears) owner's limits; takes effect on
