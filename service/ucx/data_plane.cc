@@ -257,6 +257,9 @@ DataPlaneStats DataPlane::Stats() const {
   MutexLock lock(&mu_);
   s.write_sessions = static_cast<uint32_t>(writes_.size());
   s.read_sessions = static_cast<uint32_t>(reads_.size());
+  for (const auto& [id, session] : writes_) {
+    s.write_blocks_unlanded += session->awaiting + session->in_flight;
+  }
   return s;
 }
 
@@ -1247,32 +1250,48 @@ void DataPlane::CloseConnection(uint64_t conn_id, const char* why) {
   });
 }
 
+// A write whose blocks have all landed needs its connection no more: it
+// stays for its commit, bounded by its lease deadline (another call of the
+// client may have closed the connection the client's threads share). A
+// write still waiting for blocks fails now: its store write is aborted and
+// its staging freed, and the session stays behind, empty, so that its
+// commit answers UNAVAILABLE (begin again) rather than the stale-lease
+// code; Expire drops it at its deadline.
 void DataPlane::DropConnectionSessions(uint64_t conn_id) {
-  std::vector<std::shared_ptr<WriteSession>> writes;
   std::vector<std::function<void()>> work;
+  std::vector<store::WriteClaim> aborted;
+  std::vector<std::shared_ptr<StagingBuffer>> freed;
   {
     MutexLock lock(&mu_);
-    std::vector<uint64_t> ids;
+    std::vector<uint64_t> waited;
     for (auto& [id, session] : writes_) {
-      if (session->conn_id == conn_id) ids.push_back(id);
-    }
-    for (uint64_t id : ids) {
-      WriteSession& s = *writes_[id];
+      WriteSession& s = *session;
+      // It stays bound to the dead connection: no other can touch it.
+      if (s.conn_id != conn_id) continue;
+      if (s.error.ok() && s.awaiting == 0 && s.in_flight == 0) continue;
+      if (s.error.ok()) {
+        s.error = absl::UnavailableError(
+            "the data-plane connection of this write closed before every "
+            "block arrived; begin the write again");
+      }
       if (s.waiter) {
-        if (s.error.ok()) {
-          s.error = absl::UnavailableError("the data-plane connection failed");
-        }
-        if (std::function<void()> w = TakeForCommitLocked(id)) {
-          work.push_back(std::move(w));
-        }
-      } else {
-        writes.push_back(writes_[id]);
-        writes_.erase(id);
+        waited.push_back(id);
+        continue;
+      }
+      // Receives still in flight hold their own buffers.
+      aborted.push_back(std::move(s.claim));
+      for (std::shared_ptr<StagingBuffer>& b : s.buffers) {
+        if (b != nullptr) freed.push_back(std::move(b));
+      }
+    }
+    for (uint64_t id : waited) {
+      if (std::function<void()> w = TakeForCommitLocked(id)) {
+        work.push_back(std::move(w));
       }
     }
   }
   for (auto& w : work) w();
-  for (auto& s : writes) s->claim = store::WriteClaim();  // aborts the write
+  // `aborted` and `freed` end here, outside the lock.
   // Reads bound to the connection end when their flush fails (the
   // endpoint was force-closed); reads not started are not bound yet.
 }

@@ -12,7 +12,9 @@
 //    block has landed, then runs Store::CommitWrite on the worker pool over
 //    the staged bytes; the batch becomes visible only then. Staging is freed
 //    when the commit ends, when the write is aborted, when its connection
-//    fails, or when its lease expires.
+//    fails before every block has landed (its commit then answers
+//    UNAVAILABLE; a write whose blocks have all landed needs no connection
+//    and still commits), or when its lease expires.
 //  * Read: BeginRead (gRPC, inline_data = false) reserves staging for the
 //    worst case, then Store::BeginRead (keep_lease, in_place) pins the
 //    blocks and verifies them: on a host arena a block whose answer is its
@@ -122,6 +124,9 @@ struct DataPlaneStats {
   uint32_t connections = 0;
   uint32_t write_sessions = 0;
   uint32_t read_sessions = 0;
+  // Blocks of open writes that have not landed yet (awaited or still being
+  // received).
+  uint32_t write_blocks_unlanded = 0;
   uint64_t rejected_connections = 0;
   uint32_t buffer_keys = 0;  // kept for clients' long-lived buffers
   // Blocks encoded straight from a client buffer the node mapped
