@@ -145,6 +145,7 @@ class ClusterTest : public ::testing::Test {
     options.worker_threads = 2;
     if (ucx_) {
       options.data_plane = service::DataPlaneMode::kUcx;
+      options.ucx.tcp_trusted_network = true;  // loopback
       options.ucx.listen = "127.0.0.1:0";
       options.ucx.staging_bytes = 64 << 20;
     }

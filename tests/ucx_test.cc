@@ -96,14 +96,17 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     options.worker_threads = 2;
     options.reaper_interval = absl::Milliseconds(50);
     options.data_plane = service::DataPlaneMode::kUcx;
-    options.ucx.listen = "127.0.0.1:0";
+    // Loopback is a trusted network; over shared memory the node runs as
+    // it does by default: no TCP, no listener.
+    options.ucx.tcp_trusted_network = GetParam().tcp();
+    options.ucx.listen = GetParam().tcp() ? "127.0.0.1:0" : "";
     options.ucx.staging_bytes = staging;
     options.ucx.handshake_timeout = absl::Seconds(1);
     options.ucx.read_delivery = GetParam().delivery;
     node_ = std::make_unique<service::Node>(options);
     absl::Status started = node_->Start();
     ASSERT_TRUE(started.ok()) << started;
-    ASSERT_NE(node_->ucx_port(), 0);
+    ASSERT_EQ(node_->ucx_port() != 0, GetParam().tcp());
     client_ = NewClient(DataPlane::kUcx);
     grpc_client_ = NewClient(DataPlane::kGrpc);
   }
@@ -1934,8 +1937,11 @@ TEST(UcxFlagsTest, ParsesAndChecksTheDataPlaneFlags) {
   auto f = service::ParseNodeFlags(
       {"--data-plane=ucx", "--ucx-listen=127.0.0.1:0",
        "--ucx-advertise=node-0.kvcache", "--staging-bytes=64MiB",
-       "--ucx-read-delivery=puts"});
+       "--ucx-read-delivery=puts", "--ucx-tcp-trusted-network=true"});
   ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_TRUE(f->options.ucx.tcp_trusted_network);
+  EXPECT_FALSE(service::ParseNodeFlags({})->options.ucx.tcp_trusted_network);
+  EXPECT_EQ(service::ParseNodeFlags({})->options.ucx.listen, "");
   EXPECT_EQ(f->options.data_plane, service::DataPlaneMode::kUcx);
   EXPECT_EQ(f->options.ucx.listen, "127.0.0.1:0");
   EXPECT_EQ(f->options.ucx.advertise_host, "node-0.kvcache");
@@ -1947,7 +1953,8 @@ TEST(UcxFlagsTest, ParsesAndChecksTheDataPlaneFlags) {
             ucx::ReadDelivery::kAuto);
   for (const char* bad :
        {"--data-plane=rdma", "--ucx-listen=nohostport", "--staging-bytes=0",
-        "--staging-bytes=lots", "--ucx-read-delivery=messages"}) {
+        "--staging-bytes=lots", "--ucx-read-delivery=messages",
+        "--ucx-tcp-trusted-network=yes"}) {
     EXPECT_EQ(service::ParseNodeFlags({bad}).status().code(),
               absl::StatusCode::kInvalidArgument)
         << bad;
@@ -2351,6 +2358,7 @@ int NodeChildMain() {
   options.max_request_bytes = 64 << 20;
   options.worker_threads = 2;
   options.data_plane = service::DataPlaneMode::kUcx;
+  options.ucx.tcp_trusted_network = true;  // loopback
   options.ucx.listen = "127.0.0.1:0";
   signal(SIGPIPE, SIG_IGN);
   service::Node node(options);

@@ -1,14 +1,17 @@
 #include "service/ucx/data_plane.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <utility>
 
 #include "absl/memory/memory.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "base/log.h"
 #include "kernels/codec.h"
@@ -115,14 +118,52 @@ DataPlane::DataPlane(DataPlaneOptions options, store::Store* store,
       observer_(std::move(observer)),
       budget_(std::make_shared<StagingBudget>(options_.staging_bytes)) {}
 
+absl::StatusOr<std::string> TransportsWithoutTcp(absl::string_view ucx_tls) {
+  ucx_tls = absl::StripAsciiWhitespace(ucx_tls);
+  if (ucx_tls.empty()) return std::string("^tcp");
+  const bool exclusion = absl::ConsumePrefix(&ucx_tls, "^");
+  bool names_tcp = false;
+  bool names_all = false;
+  for (absl::string_view name : absl::StrSplit(ucx_tls, ',')) {
+    name = absl::StripAsciiWhitespace(name);
+    names_tcp = names_tcp || absl::EqualsIgnoreCase(name, "tcp");
+    names_all = names_all || absl::EqualsIgnoreCase(name, "all");
+  }
+  if (exclusion) {
+    return absl::StrCat("^", ucx_tls, names_tcp ? "" : ",tcp");
+  }
+  if (names_tcp || names_all) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "UCX_TLS=", ucx_tls,
+        " lets UCX use TCP, whose transport in UCX 1.13 checks no remote "
+        "keys and aborts on malformed headers (any peer that reaches its "
+        "ports can crash the node or write into its memory): leave tcp out, "
+        "or pass --ucx-tcp-trusted-network=true where only trusted peers "
+        "reach the node (docs/operations.md, \"Security\")"));
+  }
+  return std::string(ucx_tls);
+}
+
 absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(
     DataPlaneOptions options, store::Store* store, Executor executor,
     TransferObserver observer) {
-  std::unique_ptr<DataPlane> plane = absl::WrapUnique(new DataPlane(
-      std::move(options), store, std::move(executor), std::move(observer)));
   WorkerLoop::Options loop_options;
   loop_options.name = "kvcache-node";
-  loop_options.spin_iterations = plane->options_.spin_iterations;
+  loop_options.spin_iterations = options.spin_iterations;
+  if (!options.tcp_trusted_network) {
+    if (!options.listen.empty()) {
+      return absl::InvalidArgumentError(
+          "a UCX listener is TCP: --ucx-listen needs "
+          "--ucx-tcp-trusted-network=true (trusted networks only)");
+    }
+    const char* env = std::getenv("UCX_TLS");
+    absl::StatusOr<std::string> tls =
+        TransportsWithoutTcp(env == nullptr ? "" : env);
+    if (!tls.ok()) return tls.status();
+    loop_options.ucx_settings.push_back({"TLS", *std::move(tls)});
+  }
+  std::unique_ptr<DataPlane> plane = absl::WrapUnique(new DataPlane(
+      std::move(options), store, std::move(executor), std::move(observer)));
   absl::StatusOr<std::unique_ptr<WorkerLoop>> loop =
       WorkerLoop::Start(loop_options);
   if (!loop.ok()) return loop.status();
@@ -132,6 +173,11 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(
   if (!segments.ok()) {
     plane->Stop();
     return segments.status();
+  }
+  if (segments->in_use() && !plane->options_.tcp_trusted_network) {
+    plane->Stop();
+    return absl::InternalError(
+        "UCX kept its TCP transport although UCX_TLS left it out");
   }
   plane->tcp_segments_ = *segments;
   if (absl::Status s = plane->Listen(); !s.ok()) {
@@ -169,14 +215,16 @@ absl::Status DataPlane::Listen() {
         return;
       }
     }
-    absl::StatusOr<std::unique_ptr<Listener>> listener = Listener::Create(
-        loop_->worker(), options_.listen, &DataPlane::OnConnRequest, this);
-    if (!listener.ok()) {
-      promise->set_value(listener.status());
-      return;
+    if (!options_.listen.empty()) {
+      absl::StatusOr<std::unique_ptr<Listener>> listener = Listener::Create(
+          loop_->worker(), options_.listen, &DataPlane::OnConnRequest, this);
+      if (!listener.ok()) {
+        promise->set_value(listener.status());
+        return;
+      }
+      listener_ = *std::move(listener);
+      port_ = listener_->port();
     }
-    listener_ = *std::move(listener);
-    port_ = listener_->port();
     absl::StatusOr<std::string> address = loop_->worker().Address();
     if (!address.ok()) {
       promise->set_value(address.status());
@@ -191,6 +239,8 @@ absl::Status DataPlane::Listen() {
   }
   absl::Status status = result.get();
   if (!status.ok()) return status;
+  // Without a listener, clients have only the worker's address.
+  if (options_.listen.empty()) return absl::OkStatus();
   std::string host = options_.advertise_host.empty()
                          ? std::string(HostOf(options_.listen))
                          : options_.advertise_host;
