@@ -36,6 +36,7 @@ namespace {
 
 using kvcache::testing::Key;
 using kvcache::testing::RandomBlock;
+using kvcache::testing::ScopedEnv;
 using kvcache::testing::SmallShape;
 
 // Inodes of the sockets this process has open.
@@ -128,28 +129,6 @@ std::vector<std::string> CrashInputs() {
   return inputs;
 }
 
-class ScopedUcxTls {
- public:
-  explicit ScopedUcxTls(const char* value) {
-    if (const char* old = std::getenv("UCX_TLS")) old_ = old;
-    if (value == nullptr) {
-      unsetenv("UCX_TLS");
-    } else {
-      setenv("UCX_TLS", value, 1);
-    }
-  }
-  ~ScopedUcxTls() {
-    if (old_.has_value()) {
-      setenv("UCX_TLS", old_->c_str(), 1);
-    } else {
-      unsetenv("UCX_TLS");
-    }
-  }
-
- private:
-  std::optional<std::string> old_;
-};
-
 service::NodeOptions DefaultUcxNode() {
   service::NodeOptions options;
   options.listen = "127.0.0.1:0";
@@ -181,7 +160,7 @@ TEST(DataPlaneDefaultTest, TransportsLeaveTcpOutOrAreRefused) {
 
 TEST(DataPlaneDefaultTest,
      ADefaultNodeOpensNoUcxPortAndSurvivesTheCrashInputs) {
-  ScopedUcxTls unset(nullptr);
+  ScopedEnv unset("UCX_TLS", nullptr);
   const std::set<int> before = ListeningTcpPorts();
   service::Node node(DefaultUcxNode());
   ASSERT_TRUE(node.Start().ok());
@@ -202,7 +181,7 @@ TEST(DataPlaneDefaultTest,
   }
   // Alive and serving, the data plane included: a client on this host
   // moves its bytes over shared memory.
-  ScopedUcxTls shm("posix,sysv,self");
+  ScopedEnv shm("UCX_TLS", "posix,sysv,self");
   ClientOptions copts;
   copts.target = absl::StrCat("127.0.0.1:", node.port());
   copts.timeout = absl::Seconds(20);
@@ -235,7 +214,7 @@ TEST(DataPlaneDefaultTest,
 
 TEST(DataPlaneDefaultTest, TcpOrAListenerWithoutTheOptInIsRefusedAtStart) {
   {
-    ScopedUcxTls tcp("tcp");
+    ScopedEnv tcp("UCX_TLS", "tcp");
     service::Node node(DefaultUcxNode());
     absl::Status started = node.Start();
     EXPECT_EQ(started.code(), absl::StatusCode::kFailedPrecondition) << started;
@@ -244,7 +223,7 @@ TEST(DataPlaneDefaultTest, TcpOrAListenerWithoutTheOptInIsRefusedAtStart) {
         << started;
   }
   {
-    ScopedUcxTls unset(nullptr);
+    ScopedEnv unset("UCX_TLS", nullptr);
     service::NodeOptions options = DefaultUcxNode();
     options.ucx.listen = "127.0.0.1:0";
     service::Node node(options);
@@ -253,7 +232,7 @@ TEST(DataPlaneDefaultTest, TcpOrAListenerWithoutTheOptInIsRefusedAtStart) {
   }
   {
     // With the opt-in, TCP and the listener are the operator's to have.
-    ScopedUcxTls tcp("tcp");
+    ScopedEnv tcp("UCX_TLS", "tcp");
     service::NodeOptions options = DefaultUcxNode();
     options.ucx.tcp_trusted_network = true;
     options.ucx.listen = "127.0.0.1:0";

@@ -52,6 +52,7 @@ namespace {
 
 using kvcache::testing::Key;
 using kvcache::testing::RandomBlock;
+using kvcache::testing::ScopedEnv;
 using kvcache::testing::SmallShape;
 
 // 512 KiB fp16 blocks: large enough for rendezvous sends.
@@ -1551,24 +1552,6 @@ TEST_P(UcxTest, AutoFallsBackToGrpcAndUcxOnlyRefusesANodeWithoutDataPlane) {
 
 // One environment variable set for a scope (UCX reads its configuration
 // when a context is created), restored however the scope ends.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (old_.has_value()) {
-      setenv(name_, old_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 // The value of `series` (name and labels, as rendered) in a /metrics
 // exposition; 0 when absent.
