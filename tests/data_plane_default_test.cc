@@ -212,6 +212,59 @@ TEST(DataPlaneDefaultTest,
       << "the bytes did not travel over the data plane";
 }
 
+// A client that shares no transport with a default node (here: one that
+// may use only TCP, as on another host without RDMA) moves its bytes over
+// gRPC with kAuto, and kUcx says UNAVAILABLE, both at once.
+TEST(DataPlaneDefaultTest, AClientWithoutASharedTransportUsesGrpc) {
+  std::unique_ptr<service::Node> node;
+  {
+    ScopedEnv unset("UCX_TLS", nullptr);
+    node = std::make_unique<service::Node>(DefaultUcxNode());
+    ASSERT_TRUE(node->Start().ok());
+  }
+  ScopedEnv tcp_only("UCX_TLS", "tcp");
+  ScopedEnv loopback("UCX_NET_DEVICES", "lo");
+  NamespaceSpec spec;
+  spec.name = "remote";
+  spec.model = "default-test";
+  spec.shape = SmallShape();
+  CodecPolicy policy;
+  policy.codec = Codec::kNone;
+  spec.policy = policy;
+  const std::vector<uint16_t> data = RandomBlock(spec.shape, 2);
+  for (DataPlane plane : {DataPlane::kAuto, DataPlane::kUcx}) {
+    const std::string key = Key(plane == DataPlane::kAuto ? 2 : 3);
+    const BlockWrite write{key, "", data};
+    ClientOptions copts;
+    copts.target = absl::StrCat("127.0.0.1:", node->port());
+    copts.timeout = absl::Seconds(20);
+    copts.data_plane = plane;
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(copts);
+    ASSERT_TRUE(client.ok()) << client.status();
+    ASSERT_TRUE((*client)->RegisterNamespace(spec).ok());
+    const absl::Time start = absl::Now();
+    absl::StatusOr<PutResult> put =
+        (*client)->Put("remote", absl::MakeConstSpan(&write, 1));
+    // kUcx reads the block kAuto stored.
+    absl::StatusOr<GetResult> got = (*client)->Get("remote", {Key(2)});
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+    if (plane == DataPlane::kAuto) {
+      ASSERT_TRUE(put.ok()) << put.status();
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_EQ(got->blocks.size(), 1u);
+      EXPECT_EQ(std::memcmp(got->blocks[0].bytes.data(), data.data(),
+                            data.size() * 2),
+                0);
+    } else {
+      EXPECT_EQ(put.status().code(), absl::StatusCode::kUnavailable)
+          << put.status();
+      EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable)
+          << got.status();
+    }
+  }
+  EXPECT_EQ(node->data_plane()->Stats().connections, 0u);
+}
+
 TEST(DataPlaneDefaultTest, TcpOrAListenerWithoutTheOptInIsRefusedAtStart) {
   {
     ScopedEnv tcp("UCX_TLS", "tcp");
