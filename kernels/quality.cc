@@ -45,6 +45,11 @@ absl::StatusOr<KvTensors> MakeSyntheticKv(const SyntheticOptions& o) {
     return absl::InvalidArgumentError(
         "synthetic KV: need 0 <= sink_share_min <= sink_share_max < 1");
   }
+  if (!(o.outlier_offset_min >= 0 &&
+        o.outlier_offset_min <= o.outlier_offset_max)) {
+    return absl::InvalidArgumentError(
+        "synthetic KV: need 0 <= outlier_offset_min <= outlier_offset_max");
+  }
   if (o.outlier_pairs > o.head_dim / 4) {
     return absl::InvalidArgumentError(absl::StrCat(
         "synthetic KV: at most head_dim/4 = ", o.head_dim / 4,
@@ -71,7 +76,9 @@ absl::StatusOr<KvTensors> MakeSyntheticKv(const SyntheticOptions& o) {
     std::shuffle(pairs.begin(), pairs.end(), rng);
     for (uint32_t j = 0; j < o.outlier_pairs; ++j) {
       const uint32_t i = pairs[j];
-      const double m = 10.0 + 10.0 * uniform(rng);
+      const double m =
+          o.outlier_offset_min +
+          (o.outlier_offset_max - o.outlier_offset_min) * uniform(rng);
       const double phi = 2 * kPi * uniform(rng);
       offset[size_t{h} * D + i] = static_cast<float>(m * std::cos(phi));
       offset[size_t{h} * D + i + half] = static_cast<float>(m * std::sin(phi));
