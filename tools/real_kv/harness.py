@@ -155,7 +155,7 @@ def main():
     assert run["ppl"] < 40, f"perplexity {run['ppl']:.1f}: forward broken"
     eval_layers = [0, 1, model.n_layer // 2] if args.ci else list(
         range(model.n_layer))
-    eval_pos = np.arange(0, decode, 4)
+    eval_pos = np.arange(0, decode, 8 if args.ci else 4)
     paths = extract.write_kv(kv_dir, run, model.n_kv, eval_pos, eval_layers)
 
     variants = [("none", "none", ()), ("fp8_e4m3", "fp8_e4m3", ()),
