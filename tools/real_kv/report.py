@@ -167,6 +167,12 @@ def ci_assertions(report):
         fails.append(f"fp8_e4m3 next-token KL {fp8['kl_mean']:.2e}")
     if fp8["top1"] < b["fp8_e4m3_top1_min"]:
         fails.append(f"fp8_e4m3 top-1 {fp8['top1']:.3f}")
+    # The node quantized what it should: fp8 every block, KIVI all but the
+    # blocks of the last 128 tokens (its residual window).
+    if fp8["quantized_tokens"] != report["prefix"]:
+        fails.append(f"fp8_e4m3: {fp8['quantized_tokens']} tokens quantized")
+    if kivi2["quantized_tokens"] != report["prefix"] - 128:
+        fails.append(f"kivi2: {kivi2['quantized_tokens']} tokens quantized")
     if kivi2["kl_mean"] > b["kivi2_kl_max"]:
         fails.append(f"kivi2 next-token KL {kivi2['kl_mean']:.2e}")
     if kivi2["kl_mean"] < b["kivi2_kl_min_over_fp8"] * fp8["kl_mean"]:
