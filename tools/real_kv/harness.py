@@ -24,6 +24,7 @@ import numpy as np
 
 import extract
 import model as kvmodel
+import report as kvreport
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TPB = 32  # tokens per block in the store
@@ -179,7 +180,6 @@ def main():
     report["total_s"] = time.time() - t0
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
-    import report as kvreport
     text = kvreport.markdown(report)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)
