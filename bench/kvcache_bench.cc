@@ -410,6 +410,7 @@ int Run(const Config& config) {
     options.store.max_blocks_per_request = 1024;
     options.max_request_bytes = 512 << 20;
     options.data_plane = kvcache::service::DataPlaneMode::kUcx;
+    options.ucx.tcp_trusted_network = true;  // loopback, UCX_TLS as given
     options.ucx.listen = "127.0.0.1:0";
     options.ucx.staging_bytes = 1ull << 30;
     node = std::make_unique<kvcache::service::Node>(options);

@@ -167,7 +167,7 @@ absl::StatusOr<GetResult> MetadataFrom(const std::vector<std::string>& keys,
 
 bool OverDataPlane(const v1::BeginReadResponse& response) {
   return response.has_data_plane() &&
-         !response.data_plane().ucx_address().empty();
+         internal::OffersDataPlane(response.data_plane());
 }
 
 // Layer reports a data-plane read of `response` ends with.

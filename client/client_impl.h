@@ -42,6 +42,12 @@ struct CallScope {
 absl::Status CallerCancelled();
 
 // Blocks packed into one region start on cache lines.
+// Whether a node's answer names a data plane to connect to: its worker
+// address (a node without a listener, the default) or a listener.
+inline bool OffersDataPlane(const v1::DataPlaneInfo& info) {
+  return !info.worker_address().empty() || !info.ucx_address().empty();
+}
+
 inline uint64_t CacheLineRound(uint64_t bytes) {
   return (bytes + 63) / 64 * 64;
 }

@@ -184,7 +184,7 @@ std::shared_ptr<ucx::MemoryRegion> Client::Impl::StageForPull(
 
 void Client::Impl::ChooseRoute(Client* client, WriteBatch& batch) {
   if (!batch.begun.has_data_plane() ||
-      batch.begun.data_plane().ucx_address().empty()) {
+      !internal::OffersDataPlane(batch.begun.data_plane())) {
     batch.route = WriteRoute::kInline;
     return;
   }

@@ -45,6 +45,11 @@ absl::StatusOr<KvTensors> MakeSyntheticKv(const SyntheticOptions& o) {
     return absl::InvalidArgumentError(
         "synthetic KV: need 0 <= sink_share_min <= sink_share_max < 1");
   }
+  if (!(o.outlier_offset_min >= 0 &&
+        o.outlier_offset_min <= o.outlier_offset_max)) {
+    return absl::InvalidArgumentError(
+        "synthetic KV: need 0 <= outlier_offset_min <= outlier_offset_max");
+  }
   if (o.outlier_pairs > o.head_dim / 4) {
     return absl::InvalidArgumentError(absl::StrCat(
         "synthetic KV: at most head_dim/4 = ", o.head_dim / 4,
@@ -71,7 +76,9 @@ absl::StatusOr<KvTensors> MakeSyntheticKv(const SyntheticOptions& o) {
     std::shuffle(pairs.begin(), pairs.end(), rng);
     for (uint32_t j = 0; j < o.outlier_pairs; ++j) {
       const uint32_t i = pairs[j];
-      const double m = 10.0 + 10.0 * uniform(rng);
+      const double m =
+          o.outlier_offset_min +
+          (o.outlier_offset_max - o.outlier_offset_min) * uniform(rng);
       const double phi = 2 * kPi * uniform(rng);
       offset[size_t{h} * D + i] = static_cast<float>(m * std::cos(phi));
       offset[size_t{h} * D + i + half] = static_cast<float>(m * std::sin(phi));
@@ -232,6 +239,14 @@ absl::StatusOr<QualityReport> Compare(const KvTensors& kv,
   r.k_rel_rmse = kd > 0 ? std::sqrt(kn / kd) : std::sqrt(kn);
   r.v_rel_rmse = vd > 0 ? std::sqrt(vn / vd) : std::sqrt(vn);
 
+  // fp16 to float once (exact), not in the Q x T x D loops below.
+  auto widen = [](const std::vector<uint16_t>& h) {
+    std::vector<float> f(h.size());
+    for (size_t i = 0; i < h.size(); ++i) f[i] = HalfToFloat(h[i]);
+    return f;
+  };
+  const std::vector<float> ka = widen(kv.k), kb = widen(k2);
+  const std::vector<float> va = widen(kv.v), vb = widen(v2);
   std::vector<double> la(T), lb(T);
   std::vector<double> out_a(D), out_b(D);
   double err = 0, norm = 0, kl = 0;
@@ -243,8 +258,8 @@ absl::StatusOr<QualityReport> Compare(const KvTensors& kv,
         double a = 0, b = 0;
         for (size_t d = 0; d < D; ++d) {
           const size_t i = (t * H + h) * D + d;
-          a += double(q[d]) * HalfToFloat(kv.k[i]);
-          b += double(q[d]) * HalfToFloat(k2[i]);
+          a += double(q[d]) * ka[i];
+          b += double(q[d]) * kb[i];
         }
         la[t] = a * inv_sqrt_d;
         lb[t] = b * inv_sqrt_d;
@@ -267,8 +282,8 @@ absl::StatusOr<QualityReport> Compare(const KvTensors& kv,
         kl_q += pa * (lpa - lpb);
         for (size_t d = 0; d < D; ++d) {
           const size_t i = (t * H + h) * D + d;
-          out_a[d] += pa * HalfToFloat(kv.v[i]);
-          out_b[d] += pb * HalfToFloat(v2[i]);
+          out_a[d] += pa * va[i];
+          out_b[d] += pb * vb[i];
         }
       }
       kl += kl_q;

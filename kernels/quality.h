@@ -31,16 +31,24 @@ struct SyntheticOptions {
   uint32_t head_dim = 128;
   uint32_t queries = 16;
   uint64_t seed = 1;
-  // Keys: this many RoPE channel pairs per head carry a persistent offset of
-  // 10-20x the other channels' spread (among the slowly rotating pairs).
-  uint32_t outlier_pairs = 4;
-  // Token 0 is an attention sink: its key has this many times the usual
+  // The defaults follow SmolLM2-135M's real cache (docs/quality.md, "What
+  // real keys look like"): 1-7 outlier channels per layer with an RMS of
+  // 5-13x the median channel's, in slowly rotating RoPE pairs; in the
+  // layers where the sink draws attention (12-29: 12-100%, mean 68%) its
+  // key has 0.15-0.56x the mean key norm.
+  // Keys: this many RoPE channel pairs per head carry a persistent offset
+  // drawn from [outlier_offset_min, outlier_offset_max] times the other
+  // channels' spread (among the slowly rotating pairs).
+  uint32_t outlier_pairs = 2;
+  float outlier_offset_min = 7.0f;
+  float outlier_offset_max = 14.0f;
+  // Token 0 is an attention sink: its key has this many times the mean key
   // norm, and each query gives it a share of the attention drawn uniformly
   // from [sink_share_min, sink_share_max] (no adjustment when the maximum
   // is 0: then token 0 is an ordinary key).
-  float sink_norm = 6.0f;
-  float sink_share_min = 0.2f;
-  float sink_share_max = 0.6f;
+  float sink_norm = 0.3f;
+  float sink_share_min = 0.4f;
+  float sink_share_max = 0.9f;
   // Values: N(0, s_t) per token, s_t log-normal; this fraction of tokens is
   // an outlier token with 8x the spread.
   float value_outlier_fraction = 0.01f;
@@ -55,10 +63,10 @@ struct SyntheticOptions {
 
 // Keys: N(0, 1) per channel plus, in `outlier_pairs` channel pairs
 // (d, d + D/2) per head chosen among the low-frequency half, a constant
-// offset of 10-20 in a random direction; then RoPE (theta 10000) at each
-// token's position, so the offsets persist across tokens in those channels.
-// Token 0's key is `sink_norm` times the mean key norm along a random
-// direction outside the outlier channels. Values: see SyntheticOptions.
+// offset (outlier_offset_min..max) in a random direction; then RoPE (theta
+// 10000) at each token's position, so the offsets persist across tokens in
+// those channels. Token 0's key is `sink_norm` times the mean key norm along a
+// random direction outside the outlier channels. Values: see SyntheticOptions.
 // Queries: for each head, a random key's pre-RoPE direction (with
 // query_outlier_weight of its outlier offset) plus noise,
 // rotated to position T, scaled to `logit_std`, then moved along the sink

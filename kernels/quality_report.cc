@@ -45,7 +45,7 @@ int Main(int argc, char** argv) {
   }
   std::printf(
       "Synthetic KV: T=%u tokens, H=%u kv heads, D=%u, %u queries "
-      "per head, %u outlier RoPE pairs per head, sink norm %.0fx, "
+      "per head, %u outlier RoPE pairs per head, sink norm %.2gx, "
       "logit std %.1f; blocks of 32 tokens, KIVI G=32; every block "
       "quantized unless a table says otherwise.\n\n",
       base.tokens, base.kv_heads, base.head_dim, base.queries,

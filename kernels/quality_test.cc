@@ -21,6 +21,15 @@ SyntheticOptions Small(uint64_t seed) {
   o.head_dim = 64;
   o.queries = 8;
   o.seed = seed;
+  // The mechanisms under test, exaggerated (the defaults follow the real
+  // cache of docs/quality.md, where they are weaker): 4 outlier pairs with
+  // offsets of 10-20, a sink key of 6x the mean norm taking 20-60%.
+  o.outlier_pairs = 4;
+  o.outlier_offset_min = 10.0f;
+  o.outlier_offset_max = 20.0f;
+  o.sink_norm = 6.0f;
+  o.sink_share_min = 0.2f;
+  o.sink_share_max = 0.6f;
   return o;
 }
 

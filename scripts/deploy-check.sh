@@ -88,6 +88,7 @@ for dir in deploy/k8s/overlays/*/; do
   check "kustomize $overlay" render "$dir" "$overlay"
   check "validate $overlay" "$PY" tests/deploy/validate_manifests.py --overlay "$overlay" "$OUT/$overlay.yaml"
 done
+check "data-plane rules fail their mutations" "$PY" tests/deploy/check_data_plane_rules.py "$OUT/trusted-tcp.yaml"
 
 # -- 3 + 4: alert rules ---------------------------------------------------------
 check "PrometheusRule in sync with rules file" "$PY" tests/deploy/sync_prometheusrule.py --check

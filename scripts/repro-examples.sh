@@ -44,7 +44,7 @@ for transport in $transports; do
       format=${format_list[$(( (round - 1) % ${#format_list[@]} ))]}
       log=$work/node.log
       "$node_bin" --listen=127.0.0.1:0 --metrics-listen= \
-        --memory=host:1GiB --data-plane=ucx --ucx-listen=127.0.0.1:0 \
+        --memory=host:1GiB --data-plane=ucx --ucx-tcp-trusted-network=true --ucx-listen=127.0.0.1:0 \
         2>"$log" &
       node_pid=$!
       port=

@@ -34,6 +34,13 @@ echo "== soak: every read verified (${KVCACHE_SOAK_SECONDS:-60} s)"
 "$root/build/tools/kvcache-soak" --duration="${KVCACHE_SOAK_SECONDS:-60}"
 stamp
 
+echo "== quality on real KV"
+# SmolLM2-135M's cache through a real node: fp8_e4m3 and kivi2 within the
+# bounds of docs/quality.md ("CI check"); installs its Python requirements
+# into a venv outside the clone when missing (tools/real_kv/setup.sh).
+BUILD_DIR="$root/build" "$root/tools/real_kv/ci_check.sh"
+stamp
+
 # Sanitizer suppressions: only frames inside uninstrumented third-party
 # libraries (tests/sanitizers/*.supp say why, one line each).
 supp=$root/tests/sanitizers

@@ -123,6 +123,14 @@ absl::Status ApplyFlag(absl::string_view name, absl::string_view value,
       return Bad(name, value, "expected HOST:PORT");
     }
     o.ucx.listen = std::string(value);
+  } else if (name == "ucx-tcp-trusted-network") {
+    if (value == "true") {
+      o.ucx.tcp_trusted_network = true;
+    } else if (value == "false") {
+      o.ucx.tcp_trusted_network = false;
+    } else {
+      return Bad(name, value, "expected true or false");
+    }
   } else if (name == "ucx-advertise") {
     o.ucx.advertise_host = std::string(value);
   } else if (name == "ucx-read-delivery") {
@@ -194,9 +202,17 @@ Usage: kvcache-node [--flag=value ...]
   --data-plane=MODE             ucx: KV bytes travel over UCX when the
                                 client offers it; none (default): inline
                                 in gRPC messages only
-  --ucx-listen=HOST:PORT        UCX data-plane listener (default
-                                0.0.0.0:0, a free port; clients learn it
-                                through the control plane)
+  --ucx-tcp-trusted-network=BOOL  false (default): UCX runs over shared
+                                memory and RDMA only and opens no port;
+                                clients on other hosts without RDMA move
+                                their bytes over gRPC. true: UCX may use
+                                TCP too. For trusted networks only: any
+                                peer that reaches UCX's TCP ports can crash
+                                the node or write into its memory
+                                (docs/operations.md, "Security")
+  --ucx-listen=HOST:PORT        a UCX listener (TCP) for clients without
+                                the node's worker address (default: none;
+                                needs --ucx-tcp-trusted-network=true)
   --ucx-advertise=HOST          host clients dial for the data plane
                                 (default: the --ucx-listen host; a wildcard
                                 host makes clients use their gRPC host)

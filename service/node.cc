@@ -80,7 +80,10 @@ absl::Status Node::StartDataPlane() {
   if (!plane.ok()) {
     return absl::Status(
         plane.status().code(),
-        absl::StrCat("cannot start the UCX data plane on ", options_.ucx.listen,
+        absl::StrCat("cannot start the UCX data plane",
+                     options_.ucx.listen.empty()
+                         ? std::string()
+                         : absl::StrCat(" on ", options_.ucx.listen),
                      ": ", plane.status().message()));
   }
   data_plane_ = *std::move(plane);
@@ -149,14 +152,20 @@ void Node::LogStarted(absl::string_view arena_description) const {
   std::string plane;
   if (data_plane_ != nullptr) {
     const ucx::TcpSegments& segments = data_plane_->tcp_segments();
-    plane =
-        absl::StrCat(", UCX data plane on port ", data_plane_->port(),
-                     " (staging ", options_.ucx.staging_bytes, " bytes",
-                     segments.in_use()
-                         ? absl::StrCat(", TCP segments tx ", segments.tx_bytes,
-                                        " rx ", segments.rx_bytes)
-                         : std::string(),
-                     ")");
+    plane = absl::StrCat(
+        ", UCX data plane ",
+        options_.ucx.tcp_trusted_network
+            ? (data_plane_->port() != 0
+                   ? absl::StrCat("on port ", data_plane_->port(),
+                                  " with TCP (trusted network)")
+                   : std::string("with TCP (trusted network), no listener"))
+            : std::string("on shared memory and RDMA only, no listener"),
+        " (staging ", options_.ucx.staging_bytes, " bytes",
+        segments.in_use()
+            ? absl::StrCat(", TCP segments tx ", segments.tx_bytes, " rx ",
+                           segments.rx_bytes)
+            : std::string(),
+        ")");
   }
   LogInfo(absl::StrCat(
       "kvcache-node serving gRPC on port ", port_,

@@ -147,6 +147,7 @@ class ClusterTest : public ::testing::Test {
     if (tenants_ != nullptr) options.tenants_file = tenants_->path();
     if (ucx_) {
       options.data_plane = service::DataPlaneMode::kUcx;
+      options.ucx.tcp_trusted_network = true;  // loopback
       options.ucx.listen = "127.0.0.1:0";
       options.ucx.staging_bytes = 64 << 20;
     }

@@ -100,6 +100,7 @@ class DeviceClientTest : public ::testing::TestWithParam<Transport> {
     options.worker_threads = 2;
     options.reaper_interval = absl::Milliseconds(50);
     options.data_plane = service::DataPlaneMode::kUcx;
+    options.ucx.tcp_trusted_network = true;  // loopback
     options.ucx.listen = "127.0.0.1:0";
     options.ucx.staging_bytes = 64ull << 20;
     node_ = std::make_unique<service::Node>(options);

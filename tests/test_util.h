@@ -3,6 +3,8 @@
 #define KVCACHE_TESTS_TEST_UTIL_H_
 
 #include <cstdint>
+#include <cstdlib>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -31,6 +33,33 @@ inline std::vector<uint16_t> RandomBlock(const kernels::BlockShape& s,
 }
 
 inline std::string Key(int i) { return "block-" + std::to_string(i); }
+
+// Sets (or, with a null value, unsets) an environment variable for its
+// lifetime, then puts back what was there.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value == nullptr) {
+      unsetenv(name);
+    } else {
+      setenv(name, value, 1);
+    }
+  }
+  ~ScopedEnv() {
+    if (old_.has_value()) {
+      setenv(name_, old_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
 
 }  // namespace kvcache::testing
 

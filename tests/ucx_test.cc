@@ -52,6 +52,7 @@ namespace {
 
 using kvcache::testing::Key;
 using kvcache::testing::RandomBlock;
+using kvcache::testing::ScopedEnv;
 using kvcache::testing::SmallShape;
 
 // 512 KiB fp16 blocks: large enough for rendezvous sends.
@@ -96,14 +97,17 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     options.worker_threads = 2;
     options.reaper_interval = absl::Milliseconds(50);
     options.data_plane = service::DataPlaneMode::kUcx;
-    options.ucx.listen = "127.0.0.1:0";
+    // Loopback is a trusted network; over shared memory the node runs as
+    // it does by default: no TCP, no listener.
+    options.ucx.tcp_trusted_network = GetParam().tcp();
+    options.ucx.listen = GetParam().tcp() ? "127.0.0.1:0" : "";
     options.ucx.staging_bytes = staging;
     options.ucx.handshake_timeout = absl::Seconds(1);
     options.ucx.read_delivery = GetParam().delivery;
     node_ = std::make_unique<service::Node>(options);
     absl::Status started = node_->Start();
     ASSERT_TRUE(started.ok()) << started;
-    ASSERT_NE(node_->ucx_port(), 0);
+    ASSERT_EQ(node_->ucx_port() != 0, GetParam().tcp());
     client_ = NewClient(DataPlane::kUcx);
     grpc_client_ = NewClient(DataPlane::kGrpc);
   }
@@ -1379,6 +1383,122 @@ TEST_P(UcxTest, WritePullOutsideTheRegionIsRefused) {
   ASSERT_TRUE(got.ok()) << got.status();
 }
 
+// A data-plane connection that closes between a write's sends and its
+// commit (another call of the process cut short and force-closed the shared
+// connection; seen in the soak as FAILED_PRECONDITION "write lease is
+// unknown" on a put nobody cancelled): a write whose blocks had all landed
+// needs no connection and commits; one whose blocks had not answers
+// UNAVAILABLE (begin again), never the stale-lease code.
+TEST_P(UcxTest, AWriteOutlivesItsConnectionOnceItsBlocksHaveLanded) {
+  if (!GetParam().tcp()) {
+    GTEST_SKIP() << "shared-memory transports report no peer failure: the "
+                    "node does not see such a close";
+  }
+  const kernels::BlockShape shape = SmallShape();
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("conn-gone", Codec::kNone, shape)).ok());
+  // Block 9 is read over the connection, so that the node holds an endpoint
+  // to this client and sees it close (as when a read's puts fail).
+  ASSERT_TRUE(PutChain(grpc_client_.get(), "conn-gone", shape, 9, 1).ok());
+  auto stub = kvcache::v1::KvCache::NewStub(
+      grpc::CreateChannel(Target(), grpc::InsecureChannelCredentials()));
+  auto begin_write = [&](int first) {
+    kvcache::v1::BeginWriteRequest begin;
+    begin.set_namespace_name("conn-gone");
+    begin.add_blocks()->set_key(Key(first));
+    begin.add_blocks()->set_key(Key(first + 1));
+    begin.set_use_data_plane(true);
+    kvcache::v1::BeginWriteResponse begun;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    grpc::Status rpc = stub->BeginWrite(&ctx, begin, &begun);
+    EXPECT_TRUE(rpc.ok()) << rpc.error_message();
+    return begun;
+  };
+  auto commit = [&](uint64_t write_id) {
+    kvcache::v1::CommitWriteRequest request;
+    request.set_write_id(write_id);
+    kvcache::v1::CommitWriteResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    return stub->CommitWrite(&ctx, request, &response);
+  };
+  auto wait_for = [&](auto done) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (!done() && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return done();
+  };
+  for (int first : {0, 2}) {
+    data_[first] = RandomBlock(shape, first);
+    data_[first + 1] = RandomBlock(shape, first + 1);
+  }
+  const kvcache::v1::BeginWriteResponse whole = begin_write(0);
+  const kvcache::v1::BeginWriteResponse half = begin_write(2);
+  ASSERT_TRUE(whole.has_data_plane() && half.has_data_plane());
+  {
+    auto plane = ucx::ClientPlane::Create();
+    ASSERT_TRUE(plane.ok()) << plane.status();
+    auto bytes = [&](int i) {
+      return absl::MakeConstSpan(
+          reinterpret_cast<const uint8_t*>(data_[i].data()),
+          data_[i].size() * sizeof(uint16_t));
+    };
+    const ucx::ClientPlane::Block both[] = {{0, bytes(0), nullptr},
+                                            {1, bytes(1), nullptr}};
+    const ucx::ClientPlane::Block first_only[] = {{0, bytes(2), nullptr}};
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    ASSERT_TRUE(
+        (*plane)
+            ->SendBlocks(AddressOf(whole.data_plane()), whole.write_id(),
+                         *ucx::TokenFromBytes(whole.data_plane().token()), both,
+                         deadline)
+            .ok());
+    ASSERT_TRUE(
+        (*plane)
+            ->SendBlocks(AddressOf(half.data_plane()), half.write_id(),
+                         *ucx::TokenFromBytes(half.data_plane().token()),
+                         first_only, deadline)
+            .ok());
+    // Three of the four blocks have landed; the fourth never comes.
+    ASSERT_TRUE(wait_for([&] {
+      return node_->data_plane()->Stats().write_blocks_unlanded == 1;
+    }));
+    const kvcache::v1::BeginReadResponse read_begun =
+        BeginPlaneRead("conn-gone", 9, 1, kvcache::v1::READ_FORMAT_FP16);
+    auto region = (*plane)->Allocate(data_[9].size() * sizeof(uint16_t));
+    ASSERT_TRUE(region.ok()) << region.status();
+    std::shared_ptr<ucx::MemoryRegion> held = *std::move(region);
+    const uint64_t base = reinterpret_cast<uint64_t>(held->data());
+    auto read = (*plane)->StartRead(
+        AddressOf(read_begun.data_plane()), read_begun.read_id(),
+        *ucx::TokenFromBytes(read_begun.data_plane().token()), held, {base}, 1,
+        /*per_layer=*/false);
+    ASSERT_TRUE(read.ok()) << read.status();
+    ASSERT_TRUE((*read)->WaitLayers(1, deadline).ok());
+  }  // the plane and its connection close here
+  ASSERT_TRUE(
+      wait_for([&] { return node_->data_plane()->Stats().connections == 0; }));
+  grpc::Status committed = commit(whole.write_id());
+  EXPECT_TRUE(committed.ok()) << committed.error_message();
+  grpc::Status refused = commit(half.write_id());
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << refused.error_message();
+  ExpectNothingHeld(absl::Seconds(10));
+  auto got = grpc_client_->Get("conn-gone", Keys(0, 2));
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(got->blocks[i].bytes.size(), data_[i].size() * 2);
+    EXPECT_EQ(std::memcmp(got->blocks[i].bytes.data(), data_[i].data(),
+                          got->blocks[i].bytes.size()),
+              0)
+        << "block " << i;
+  }
+  EXPECT_EQ(grpc_client_->Get("conn-gone", Keys(2, 1)).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
 TEST_P(UcxTest, FullStagingIsResourceExhaustedWithARetryHint) {
   StartNode(256ull << 20, 4 * kernels::Fp16BlockBytes(SmallShape()),
             absl::Seconds(30));
@@ -1432,24 +1552,6 @@ TEST_P(UcxTest, AutoFallsBackToGrpcAndUcxOnlyRefusesANodeWithoutDataPlane) {
 
 // One environment variable set for a scope (UCX reads its configuration
 // when a context is created), restored however the scope ends.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (old_.has_value()) {
-      setenv(name_, old_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 // The value of `series` (name and labels, as rendered) in a /metrics
 // exposition; 0 when absent.
@@ -1819,8 +1921,11 @@ TEST(UcxFlagsTest, ParsesAndChecksTheDataPlaneFlags) {
   auto f = service::ParseNodeFlags(
       {"--data-plane=ucx", "--ucx-listen=127.0.0.1:0",
        "--ucx-advertise=node-0.kvcache", "--staging-bytes=64MiB",
-       "--ucx-read-delivery=puts"});
+       "--ucx-read-delivery=puts", "--ucx-tcp-trusted-network=true"});
   ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_TRUE(f->options.ucx.tcp_trusted_network);
+  EXPECT_FALSE(service::ParseNodeFlags({})->options.ucx.tcp_trusted_network);
+  EXPECT_EQ(service::ParseNodeFlags({})->options.ucx.listen, "");
   EXPECT_EQ(f->options.data_plane, service::DataPlaneMode::kUcx);
   EXPECT_EQ(f->options.ucx.listen, "127.0.0.1:0");
   EXPECT_EQ(f->options.ucx.advertise_host, "node-0.kvcache");
@@ -1832,7 +1937,8 @@ TEST(UcxFlagsTest, ParsesAndChecksTheDataPlaneFlags) {
             ucx::ReadDelivery::kAuto);
   for (const char* bad :
        {"--data-plane=rdma", "--ucx-listen=nohostport", "--staging-bytes=0",
-        "--staging-bytes=lots", "--ucx-read-delivery=messages"}) {
+        "--staging-bytes=lots", "--ucx-read-delivery=messages",
+        "--ucx-tcp-trusted-network=yes"}) {
     EXPECT_EQ(service::ParseNodeFlags({bad}).status().code(),
               absl::StatusCode::kInvalidArgument)
         << bad;
@@ -2236,6 +2342,7 @@ int NodeChildMain() {
   options.max_request_bytes = 64 << 20;
   options.worker_threads = 2;
   options.data_plane = service::DataPlaneMode::kUcx;
+  options.ucx.tcp_trusted_network = true;  // loopback
   options.ucx.listen = "127.0.0.1:0";
   signal(SIGPIPE, SIG_IGN);
   service::Node node(options);

@@ -6,6 +6,7 @@
 //   kvcache-tool eval [--synthetic SEED | K.npy V.npy Q.npy]
 //                     [--tokens-per-block N]
 //   kvcache-tool hash-token [--token-file FILE]
+//   kvcache-tool node-roundtrip --node HOST:PORT --codec C ... K V OUTK OUTV
 //
 // roundtrip: IN is fp16 [tokens, kv_heads, head_dim], one layer's keys or
 // values of one block; OUT is what the store would hand back after storing
@@ -37,6 +38,7 @@
 #include "kernels/codec.h"
 #include "kernels/half.h"
 #include "kernels/quality.h"
+#include "tools/node_roundtrip.h"
 #include "tools/npy.h"
 
 namespace kvcache::tools {
@@ -52,7 +54,9 @@ constexpr char kUsage[] =
     "      IN.npy OUT.npy\n"
     "  kvcache-tool eval [--synthetic SEED | K.npy V.npy Q.npy]\n"
     "      [--tokens-per-block N]\n"
-    "  kvcache-tool hash-token [--token-file FILE]   (else standard input)\n";
+    "  kvcache-tool hash-token [--token-file FILE]   (else standard input)\n"
+    "  kvcache-tool node-roundtrip (the whole prefix through a real node;\n"
+    "      tools/node_roundtrip.h)\n";
 
 int Error(const std::string& message) {
   std::fprintf(stderr, "kvcache-tool: error: %s\n", message.c_str());
@@ -350,6 +354,7 @@ int Main(int argc, char** argv) {
   if (command == "roundtrip") return Roundtrip(args);
   if (command == "eval") return Eval(args);
   if (command == "hash-token") return HashToken(args);
+  if (command == "node-roundtrip") return NodeRoundtrip(args);
   return Usage("unknown command '" + command + "'");
 }
 

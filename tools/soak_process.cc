@@ -108,9 +108,9 @@ absl::StatusOr<NodeProcess> StartNode(const std::string& node_bin,
                                       const std::string& memory,
                                       const std::string& log_path) {
   absl::StatusOr<Child> child =
-      Child::Spawn({node_bin, "--listen=127.0.0.1:0",
-                    "--metrics-listen=", absl::StrCat("--memory=", memory),
-                    "--page-size=16KiB", "--data-plane=ucx",
+      Child::Spawn({node_bin, "--listen=127.0.0.1:0", "--metrics-listen=",
+                    absl::StrCat("--memory=", memory), "--page-size=16KiB",
+                    "--data-plane=ucx", "--ucx-tcp-trusted-network=true",
                     "--ucx-listen=127.0.0.1:0", "--lease-ttl=10"},
                    {{"UCX_TLS", ""}, {"UCX_NET_DEVICES", "lo"}}, log_path);
   if (!child.ok()) return child.status();

@@ -112,7 +112,7 @@ void ReleaseStatusPtr(ucs_status_ptr_t ptr) {
 // ---------------------------------------------------------------- Context
 
 absl::StatusOr<std::unique_ptr<Context>> Context::Create(
-    absl::string_view name) {
+    absl::string_view name, const Settings& settings) {
   ucp_config_t* config = nullptr;
   if (absl::Status s = UcxStatus(ucp_config_read(nullptr, nullptr, &config),
                                  "ucp_config_read");
@@ -126,6 +126,15 @@ absl::StatusOr<std::unique_ptr<Context>> Context::Create(
     if (std::getenv(absl::StrCat("UCX_", setting).c_str()) != nullptr) continue;
     if (absl::Status s = UcxStatus(ucp_config_modify(config, setting, value),
                                    absl::StrCat("ucp_config_modify ", setting));
+        !s.ok()) {
+      ucp_config_release(config);
+      return s;
+    }
+  }
+  for (const auto& [setting, value] : settings) {
+    if (absl::Status s =
+            UcxStatus(ucp_config_modify(config, setting.c_str(), value.c_str()),
+                      absl::StrCat("ucp_config_modify ", setting));
         !s.ok()) {
       ucp_config_release(config);
       return s;

@@ -24,6 +24,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
@@ -43,8 +45,12 @@ class Context {
   //    until keepalive found the old one broken, so a read over it hung
   //    until its deadline. Keepalive checks the transport, not the peer's
   //    responsiveness, so a node that pauses is not declared dead by it.
+  //
+  // `settings` (name without the UCX_ prefix, value) are applied after
+  // those and override the environment.
+  using Settings = std::vector<std::pair<std::string, std::string>>;
   static absl::StatusOr<std::unique_ptr<Context>> Create(
-      absl::string_view name);
+      absl::string_view name, const Settings& settings = {});
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;

@@ -25,7 +25,7 @@ constexpr int kMaxProgressBurst = 256;
 
 absl::StatusOr<std::unique_ptr<WorkerLoop>> WorkerLoop::Start(Options options) {
   absl::StatusOr<std::unique_ptr<Context>> context =
-      Context::Create(options.name);
+      Context::Create(options.name, options.ucx_settings);
   if (!context.ok()) return context.status();
   absl::StatusOr<std::unique_ptr<Worker>> worker = Worker::Create(**context);
   if (!worker.ok()) return worker.status();

@@ -39,6 +39,8 @@ class WorkerLoop {
     std::string name = "kvcache";
     int spin_iterations = 64;
     absl::Duration idle_wait = absl::Milliseconds(100);
+    // UCX settings of the loop's context (Context::Create).
+    Context::Settings ucx_settings;
   };
   using Task = absl::AnyInvocable<void()>;
 

@@ -292,8 +292,7 @@ absl::StatusOr<ClientPlane::Connection*> ClientPlane::GetConnection(
       !fits.ok()) {
     if (refused_segments_.insert(key).second) {
       std::fprintf(stderr, "kvcache client: not using UCX with %s: %s\n",
-                   address.listener.c_str(),
-                   std::string(fits.message()).c_str());
+                   address.name().c_str(), std::string(fits.message()).c_str());
     }
     return fits;
   }
@@ -309,7 +308,7 @@ absl::StatusOr<ClientPlane::Connection*> ClientPlane::GetConnection(
   auto conn = std::make_unique<Connection>();
   conn->id = next_connection_id_++;
   conn->address = key;
-  conn->listener = address.listener;
+  conn->listener = address.name();
   conn->ep = *std::move(ep);
   conn->peer_errors = peer_errors;
   conn->created = absl::Now();

@@ -68,6 +68,11 @@ struct NodeAddress {
   // Connections are kept per node under this key; a node that restarts
   // has a new worker address, so a new key.
   std::string key() const { return listener + "|" + worker; }
+  // For messages: the listener, or that the worker address is used.
+  std::string name() const {
+    return listener.empty() ? std::string("the node's worker address")
+                            : listener;
+  }
 };
 
 // How long a new data-plane connection may take to come up before the

@@ -1,14 +1,17 @@
 #include "service/ucx/data_plane.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <utility>
 
 #include "absl/memory/memory.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "base/log.h"
 #include "kernels/codec.h"
@@ -115,14 +118,52 @@ DataPlane::DataPlane(DataPlaneOptions options, store::Store* store,
       observer_(std::move(observer)),
       budget_(std::make_shared<StagingBudget>(options_.staging_bytes)) {}
 
+absl::StatusOr<std::string> TransportsWithoutTcp(absl::string_view ucx_tls) {
+  ucx_tls = absl::StripAsciiWhitespace(ucx_tls);
+  if (ucx_tls.empty()) return std::string("^tcp");
+  const bool exclusion = absl::ConsumePrefix(&ucx_tls, "^");
+  bool names_tcp = false;
+  bool names_all = false;
+  for (absl::string_view name : absl::StrSplit(ucx_tls, ',')) {
+    name = absl::StripAsciiWhitespace(name);
+    names_tcp = names_tcp || absl::EqualsIgnoreCase(name, "tcp");
+    names_all = names_all || absl::EqualsIgnoreCase(name, "all");
+  }
+  if (exclusion) {
+    return absl::StrCat("^", ucx_tls, names_tcp ? "" : ",tcp");
+  }
+  if (names_tcp || names_all) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "UCX_TLS=", ucx_tls,
+        " lets UCX use TCP, whose transport in UCX 1.13 checks no remote "
+        "keys and aborts on malformed headers (any peer that reaches its "
+        "ports can crash the node or write into its memory): leave tcp out, "
+        "or pass --ucx-tcp-trusted-network=true where only trusted peers "
+        "reach the node (docs/operations.md, \"Security\")"));
+  }
+  return std::string(ucx_tls);
+}
+
 absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(
     DataPlaneOptions options, store::Store* store, Executor executor,
     TransferObserver observer) {
-  std::unique_ptr<DataPlane> plane = absl::WrapUnique(new DataPlane(
-      std::move(options), store, std::move(executor), std::move(observer)));
   WorkerLoop::Options loop_options;
   loop_options.name = "kvcache-node";
-  loop_options.spin_iterations = plane->options_.spin_iterations;
+  loop_options.spin_iterations = options.spin_iterations;
+  if (!options.tcp_trusted_network) {
+    if (!options.listen.empty()) {
+      return absl::InvalidArgumentError(
+          "a UCX listener is TCP: --ucx-listen needs "
+          "--ucx-tcp-trusted-network=true (trusted networks only)");
+    }
+    const char* env = std::getenv("UCX_TLS");
+    absl::StatusOr<std::string> tls =
+        TransportsWithoutTcp(env == nullptr ? "" : env);
+    if (!tls.ok()) return tls.status();
+    loop_options.ucx_settings.push_back({"TLS", *std::move(tls)});
+  }
+  std::unique_ptr<DataPlane> plane = absl::WrapUnique(new DataPlane(
+      std::move(options), store, std::move(executor), std::move(observer)));
   absl::StatusOr<std::unique_ptr<WorkerLoop>> loop =
       WorkerLoop::Start(loop_options);
   if (!loop.ok()) return loop.status();
@@ -132,6 +173,11 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(
   if (!segments.ok()) {
     plane->Stop();
     return segments.status();
+  }
+  if (segments->in_use() && !plane->options_.tcp_trusted_network) {
+    plane->Stop();
+    return absl::InternalError(
+        "UCX kept its TCP transport although UCX_TLS left it out");
   }
   plane->tcp_segments_ = *segments;
   if (absl::Status s = plane->Listen(); !s.ok()) {
@@ -169,14 +215,16 @@ absl::Status DataPlane::Listen() {
         return;
       }
     }
-    absl::StatusOr<std::unique_ptr<Listener>> listener = Listener::Create(
-        loop_->worker(), options_.listen, &DataPlane::OnConnRequest, this);
-    if (!listener.ok()) {
-      promise->set_value(listener.status());
-      return;
+    if (!options_.listen.empty()) {
+      absl::StatusOr<std::unique_ptr<Listener>> listener = Listener::Create(
+          loop_->worker(), options_.listen, &DataPlane::OnConnRequest, this);
+      if (!listener.ok()) {
+        promise->set_value(listener.status());
+        return;
+      }
+      listener_ = *std::move(listener);
+      port_ = listener_->port();
     }
-    listener_ = *std::move(listener);
-    port_ = listener_->port();
     absl::StatusOr<std::string> address = loop_->worker().Address();
     if (!address.ok()) {
       promise->set_value(address.status());
@@ -191,6 +239,8 @@ absl::Status DataPlane::Listen() {
   }
   absl::Status status = result.get();
   if (!status.ok()) return status;
+  // Without a listener, clients have only the worker's address.
+  if (options_.listen.empty()) return absl::OkStatus();
   std::string host = options_.advertise_host.empty()
                          ? std::string(HostOf(options_.listen))
                          : options_.advertise_host;
@@ -257,6 +307,9 @@ DataPlaneStats DataPlane::Stats() const {
   MutexLock lock(&mu_);
   s.write_sessions = static_cast<uint32_t>(writes_.size());
   s.read_sessions = static_cast<uint32_t>(reads_.size());
+  for (const auto& [id, session] : writes_) {
+    s.write_blocks_unlanded += session->awaiting + session->in_flight;
+  }
   return s;
 }
 
@@ -1247,32 +1300,48 @@ void DataPlane::CloseConnection(uint64_t conn_id, const char* why) {
   });
 }
 
+// A write whose blocks have all landed needs its connection no more: it
+// stays for its commit, bounded by its lease deadline (another call of the
+// client may have closed the connection the client's threads share). A
+// write still waiting for blocks fails now: its store write is aborted and
+// its staging freed, and the session stays behind, empty, so that its
+// commit answers UNAVAILABLE (begin again) rather than the stale-lease
+// code; Expire drops it at its deadline.
 void DataPlane::DropConnectionSessions(uint64_t conn_id) {
-  std::vector<std::shared_ptr<WriteSession>> writes;
   std::vector<std::function<void()>> work;
+  std::vector<store::WriteClaim> aborted;
+  std::vector<std::shared_ptr<StagingBuffer>> freed;
   {
     MutexLock lock(&mu_);
-    std::vector<uint64_t> ids;
+    std::vector<uint64_t> waited;
     for (auto& [id, session] : writes_) {
-      if (session->conn_id == conn_id) ids.push_back(id);
-    }
-    for (uint64_t id : ids) {
-      WriteSession& s = *writes_[id];
+      WriteSession& s = *session;
+      // It stays bound to the dead connection: no other can touch it.
+      if (s.conn_id != conn_id) continue;
+      if (s.error.ok() && s.awaiting == 0 && s.in_flight == 0) continue;
+      if (s.error.ok()) {
+        s.error = absl::UnavailableError(
+            "the data-plane connection of this write closed before every "
+            "block arrived; begin the write again");
+      }
       if (s.waiter) {
-        if (s.error.ok()) {
-          s.error = absl::UnavailableError("the data-plane connection failed");
-        }
-        if (std::function<void()> w = TakeForCommitLocked(id)) {
-          work.push_back(std::move(w));
-        }
-      } else {
-        writes.push_back(writes_[id]);
-        writes_.erase(id);
+        waited.push_back(id);
+        continue;
+      }
+      // Receives still in flight hold their own buffers.
+      aborted.push_back(std::move(s.claim));
+      for (std::shared_ptr<StagingBuffer>& b : s.buffers) {
+        if (b != nullptr) freed.push_back(std::move(b));
+      }
+    }
+    for (uint64_t id : waited) {
+      if (std::function<void()> w = TakeForCommitLocked(id)) {
+        work.push_back(std::move(w));
       }
     }
   }
   for (auto& w : work) w();
-  for (auto& s : writes) s->claim = store::WriteClaim();  // aborts the write
+  // `aborted` and `freed` end here, outside the lock.
   // Reads bound to the connection end when their flush fails (the
   // endpoint was force-closed); reads not started are not bound yet.
 }

@@ -12,7 +12,9 @@
 //    block has landed, then runs Store::CommitWrite on the worker pool over
 //    the staged bytes; the batch becomes visible only then. Staging is freed
 //    when the commit ends, when the write is aborted, when its connection
-//    fails, or when its lease expires.
+//    fails before every block has landed (its commit then answers
+//    UNAVAILABLE; a write whose blocks have all landed needs no connection
+//    and still commits), or when its lease expires.
 //  * Read: BeginRead (gRPC, inline_data = false) reserves staging for the
 //    worst case, then Store::BeginRead (keep_lease, in_place) pins the
 //    blocks and verifies them: on a host arena a block whose answer is its
@@ -102,8 +104,18 @@ enum class ReadDelivery {
 };
 
 struct DataPlaneOptions {
-  // HOST:PORT of the listener; port 0 picks a free port.
-  std::string listen = "0.0.0.0:0";
+  // Opt-in, for trusted networks only: UCX may use its TCP transport, and
+  // `listen` may open a listener. UCX 1.13's TCP transport checks no remote
+  // keys and aborts the process on malformed headers: any peer that reaches
+  // its ports can crash the node or write into its memory. Without it the
+  // node's UCX runs over shared memory and RDMA only (TransportsWithoutTcp),
+  // opens no listener, and clients connect to the worker address that the
+  // control plane hands out with each session.
+  bool tcp_trusted_network = false;
+  // HOST:PORT of a UCX listener (TCP; port 0 picks a free port), for
+  // clients without the worker address. Empty (the default): none. Only
+  // with tcp_trusted_network.
+  std::string listen;
   // The host clients dial; empty: the listen host. A wildcard host (0.0.0.0,
   // ::, empty) is advertised as ":PORT", which clients complete with the
   // host of their gRPC target.
@@ -122,6 +134,9 @@ struct DataPlaneStats {
   uint32_t connections = 0;
   uint32_t write_sessions = 0;
   uint32_t read_sessions = 0;
+  // Blocks of open writes that have not landed yet (awaited or still being
+  // received).
+  uint32_t write_blocks_unlanded = 0;
   uint64_t rejected_connections = 0;
   uint32_t buffer_keys = 0;  // kept for clients' long-lived buffers
   // Blocks encoded straight from a client buffer the node mapped
@@ -131,6 +146,13 @@ struct DataPlaneStats {
   // since the start.
   uint64_t message_reads = 0;
 };
+
+// The UCX_TLS value a node without tcp_trusted_network runs with, given
+// the environment's (`ucx_tls`, empty when unset): "^tcp" (every transport
+// but TCP) when unset; an exclusion list ("^...") with tcp added; a list
+// that names neither tcp nor "all" as it is. A list naming tcp or "all" is
+// FAILED_PRECONDITION, naming the opt-in: the operator asked for TCP.
+absl::StatusOr<std::string> TransportsWithoutTcp(absl::string_view ucx_tls);
 
 class DataPlane {
  public:

@@ -147,6 +147,49 @@ def tenants_errors(flags, spec, container, by_kind):
     return []
 
 
+def data_plane_errors(flags, container, ports, labels, policies):
+    """The data plane opens TCP ports only with the trusted-network opt-in,
+    and then pinned, declared, and admitted only from client pods."""
+    errs = []
+    tcp = flags.get("ucx-tcp-trusted-network") == "true"
+    if "ucx-listen" in flags and not tcp:
+        errs.append("--ucx-listen without --ucx-tcp-trusted-network=true (the node refuses to start)")
+    if flags.get("data-plane") != "ucx" or not tcp:
+        for name in ("ucx", "ucx-tcp"):
+            if name in ports:
+                errs.append(f"container port {name} declared, but the node opens no UCX TCP port without the opt-in")
+        return errs
+    if "ucx-listen" in flags and ports.get("ucx") != port_of(flags["ucx-listen"]):
+        errs.append(f"container port ucx={ports.get('ucx')} but --ucx-listen={flags['ucx-listen']}")
+    # Over TCP the data flows on UCX's interface port, random unless
+    # UCX_TCP_PORT_RANGE pins it: pinned, and declared as ucx-tcp.
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    pinned = env.get("UCX_TCP_PORT_RANGE", "")
+    low, _, high = pinned.partition("-")
+    if not (low.isdigit() and high.isdigit()):
+        errs.append(f"UCX over TCP without a UCX_TCP_PORT_RANGE of LOW-HIGH ({pinned!r})")
+        return errs
+    if not int(low) <= ports.get("ucx-tcp", -1) <= int(high):
+        errs.append(f"container port ucx-tcp={ports.get('ucx-tcp')} outside UCX_TCP_PORT_RANGE={pinned}")
+    # A NetworkPolicy over the nodes admitting the UCX ports only from pods
+    # selected by label (never from everywhere).
+    ucx_ports = {p for n, p in ports.items() if n in ("ucx", "ucx-tcp")}
+    guarding = [np for np in policies if matches(np["spec"].get("podSelector", {}), labels)
+                and "Ingress" in np["spec"].get("policyTypes", ["Ingress"])]
+    if not guarding:
+        errs.append("UCX over TCP without a NetworkPolicy selecting the nodes")
+    for np in guarding:
+        for rule in np["spec"].get("ingress", []):
+            rule_ports = {p.get("port") for p in rule.get("ports", [])} or None
+            opens_ucx = rule_ports is None or bool(rule_ports & ucx_ports)
+            sources = rule.get("from", [])
+            by_label = sources and all(set(src) == {"podSelector"} and src["podSelector"].get("matchLabels")
+                                       for src in sources)
+            if opens_ucx and not by_label:
+                errs.append(f"NetworkPolicy {np['metadata']['name']} admits UCX ports {sorted(ucx_ports)} from other than labelled client pods")
+    return errs
+
+
 def policy_errors(docs, overlay):
     errs = []
     by_kind = {}
@@ -208,18 +251,7 @@ def policy_errors(docs, overlay):
     for name, flag in (("grpc", "listen"), ("health", "health-listen"), ("metrics", "metrics-listen")):
         if ports.get(name) != port_of(flags[flag]):
             errs.append(f"container port {name}={ports.get(name)} but --{flag}={flags[flag]}")
-    if "ucx-listen" in flags and ports.get("ucx") != port_of(flags["ucx-listen"]):
-        errs.append(f"container port ucx={ports.get('ucx')} but --ucx-listen={flags['ucx-listen']}")
-    # Over TCP the data flows on UCX's interface port, random unless
-    # UCX_TCP_PORT_RANGE pins it: pinned, and declared as ucx-tcp.
-    if flags.get("data-plane") == "ucx":
-        env = {e["name"]: e.get("value") for e in c.get("env", [])}
-        pinned = env.get("UCX_TCP_PORT_RANGE", "")
-        low, _, high = pinned.partition("-")
-        if not (low.isdigit() and high.isdigit()):
-            errs.append(f"--data-plane=ucx without a UCX_TCP_PORT_RANGE of LOW-HIGH ({pinned!r})")
-        elif not int(low) <= ports.get("ucx-tcp", -1) <= int(high):
-            errs.append(f"container port ucx-tcp={ports.get('ucx-tcp')} outside UCX_TCP_PORT_RANGE={pinned}")
+    errs += data_plane_errors(flags, c, ports, labels, by_kind.get("NetworkPolicy", []))
     health = port_of(flags["health-listen"])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         p = c.get(probe)
@@ -265,7 +297,7 @@ def policy_errors(docs, overlay):
             errs.append(f"{overlay}: KVCACHE_MEMORY_TIER must be gpu, is {tier!r}")
         if "nvidia.com/gpu" in requests and requests["nvidia.com/gpu"] != gpu:
             errs.append(f"{overlay}: nvidia.com/gpu request differs from the limit")
-    elif overlay in ("cpu-only", "base"):
+    elif overlay in ("cpu-only", "base", "trusted-tcp"):
         if gpu or "nvidia.com/gpu" in requests:
             errs.append(f"{overlay}: must not request GPUs")
         if tier != "host":
@@ -296,7 +328,7 @@ def main():
     ap.add_argument("files", nargs="+", help="rendered multi-document YAML ('-' for stdin)")
     ap.add_argument("--kubernetes-version", "-k", action="append", dest="versions",
                     help=f"repeatable; default {' and '.join(DEFAULT_VERSIONS)}")
-    ap.add_argument("--overlay", default="", help="gpu, cpu-only, rdma or base: enables its policy checks")
+    ap.add_argument("--overlay", default="", help="gpu, cpu-only, rdma, trusted-tcp or base: enables its policy checks")
     args = ap.parse_args()
     versions = args.versions or DEFAULT_VERSIONS
     failed = 0
