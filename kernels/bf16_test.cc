@@ -26,7 +26,9 @@ using internal::ActiveSimdTarget;
 using internal::ForceSimdTargetForTest;
 using internal::SimdTargetName;
 using internal::SimdTargets;
+using testutil::Bf16Data;
 using testutil::Describe;
+using testutil::MakeBf16Data;
 using testutil::Policies;
 using testutil::ShapeCase;
 using testutil::Shapes;
@@ -268,58 +270,6 @@ TEST_P(Bf16SimdTest, Fp8EveryBf16PatternMatchesModel) {
 }
 
 // ---- KIVI and everything else: reference vs SIMD ---------------------------
-
-enum class Bf16Data {
-  kGaussian,
-  kTiny,        // bf16 subnormals and the smallest normals
-  kHuge,        // up to just below 2^126, both signs in a group
-  kSpecials,    // zeros, subnormals, limits, fp8 limits
-  kRandomBits,  // every accepted bf16 pattern is possible
-  kConstant,    // constant groups with a few outliers
-  kSparse,      // mostly signed zeros, single outliers
-};
-
-std::vector<uint16_t> MakeBf16Data(const BlockShape& shape, Bf16Data kind,
-                                   uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<uint16_t> v(Fp16BlockBytes(shape) / 2);
-  std::normal_distribution<float> gauss(0.0f, 1.0f);
-  std::uniform_int_distribution<uint32_t> bits(0, 0xFFFF);
-  static const uint16_t kSpecialValues[] = {
-      0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x807F, 0x0080, 0x8080,
-      0x7E7F, 0xFE7F, 0x43E0, 0xC3E0, 0x43E1, 0x4760, 0xC760, 0x4761,
-      0x3F80, 0xBF80, 0x3EAB, 0x0040, 0x7E00, 0xFE00, 0x3C00, 0x477F};
-  const float constant = gauss(rng);
-  for (auto& x : v) {
-    switch (kind) {
-      case Bf16Data::kGaussian:
-        x = Bf16FromFloat(gauss(rng));
-        break;
-      case Bf16Data::kTiny:
-        x = Bf16FromFloat(gauss(rng) * 1e-38f);
-        break;
-      case Bf16Data::kHuge:
-        x = Bf16FromFloat(std::clamp(gauss(rng) * 4e37f, -8.4e37f, 8.4e37f));
-        break;
-      case Bf16Data::kSpecials:
-        x = kSpecialValues[bits(rng) % (sizeof(kSpecialValues) / 2)];
-        break;
-      case Bf16Data::kRandomBits:
-        do {
-          x = static_cast<uint16_t>(bits(rng));
-        } while ((x & 0x7FFFu) >= 0x7E80u);
-        break;
-      case Bf16Data::kConstant:
-        x = Bf16FromFloat(bits(rng) % 97 == 0 ? gauss(rng) * 50 : constant);
-        break;
-      case Bf16Data::kSparse:
-        x = bits(rng) % 61 == 0 ? Bf16FromFloat(gauss(rng) * 1e30f)
-                                : static_cast<uint16_t>((bits(rng) & 1) << 15);
-        break;
-    }
-  }
-  return v;
-}
 
 // Every shape and policy of the fp16 SIMD test (KIVI 2 and 4 bit, FP8 with
 // dynamic and static scales, fp16-kept layers), every data kind: encode and
