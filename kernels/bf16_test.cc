@@ -223,9 +223,19 @@ TEST_P(Bf16SimdTest, Fp8EveryBf16PatternMatchesModel) {
   const BlockShape shape = Bf16Shape(1, 1, 128, 506);
   std::vector<uint16_t> in(all);
   std::reverse_copy(all.begin(), all.end(), std::back_inserter(in));
+  // 1 + 2^-8 and 1 + 2^-7 + 2^-8 put products of small codes on bf16 ties
+  // (even and odd).
   const std::vector<float> scales = {0.0f,  // dynamic
-                                     1.0f,  0.75f,     3e-5f,  1e-40f,
-                                     3e38f, 0x1p-126f, 448.0f, 1e-30f};
+                                     1.0f,
+                                     0.75f,
+                                     3e-5f,
+                                     1e-40f,
+                                     3e38f,
+                                     0x1p-126f,
+                                     448.0f,
+                                     1e-30f,
+                                     FloatFromBits(0x3F808000u),
+                                     FloatFromBits(0x3F818000u)};
   for (Codec c : {Codec::kFp8E4M3, Codec::kFp8E5M2}) {
     const Fp8Model model = ModelOf(c);
     for (float sc : scales) {

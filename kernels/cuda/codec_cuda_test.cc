@@ -272,9 +272,11 @@ TEST_F(CudaCodecTest, Bf16Fp8EveryPatternMatchesReference) {
     if ((b & 0x7FFFu) < 0x7E80u) in.push_back(static_cast<uint16_t>(b));
   }
   ASSERT_EQ(in.size(), size_t{506} * 128);
-  in.insert(in.end(), in.rbegin(), in.rend());  // V: the same, reversed
+  const std::vector<uint16_t> reversed(in.rbegin(), in.rend());
+  in.insert(in.end(), reversed.begin(), reversed.end());  // V: reversed
   for (Codec c : {Codec::kFp8E4M3, Codec::kFp8E5M2}) {
-    for (float sc : {0.0f, 1.0f, 3e-5f, 1e-40f, 3e38f}) {
+    for (float sc : {0.0f, 1.0f, 3e-5f, 1e-40f, 3e38f,
+                     FloatFromBits(0x3F808000u), FloatFromBits(0x3F818000u)}) {
       CodecPolicy p;
       p.codec = c;
       if (sc != 0.0f) {
