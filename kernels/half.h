@@ -108,8 +108,9 @@ KVCACHE_HD inline uint16_t HalfFromFloat(float f) {
 // mantissa bits (subnormals included). bf16 -> fp32 is exact; fp32 -> bf16
 // rounds to nearest, ties to even (overflow to infinity, subnormals kept, no
 // flush to zero), and a NaN stays a NaN: its sign and top 7 payload bits kept,
-// made quiet (bit 6 set), as x86 AVX512-BF16 VCVTNEPS2BF16 and CUDA's
-// __float2bfloat16_rn do for quiet NaNs.
+// made quiet (bit 6 set). Integer operations only, like HalfFromFloat; the
+// CUDA kernels run this same code (the device's own conversion would return
+// one canonical NaN).
 
 // Exact conversion of a bf16 bit pattern to fp32.
 KVCACHE_HD inline float Bf16ToFloat(uint16_t b) {
