@@ -6,7 +6,7 @@
 // of these states, the same for all its layers:
 //  * kSource: the source itself. Legal for codec none (every layer is
 //    stored as written) and for KIVI (a block still in the residual window
-//    is stored as fp16).
+//    is stored as written, fp16 or bf16).
 //  * kRoundTrip: DecodeBlock(EncodeBlock(source)), computed locally; the
 //    codecs are exact (BRIEF section 4), so the store's encode and a local
 //    one agree bit for bit. Layers the policy keeps at fp16 are their
