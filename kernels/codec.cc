@@ -22,7 +22,7 @@ namespace {
 using internal::Section;
 using EncodeSectionFn = void (*)(const Section&, const uint16_t*, uint8_t*);
 using DecodeSectionFn = void (*)(const Section&, const uint8_t*, uint16_t*);
-using FindNonFiniteFn = size_t (*)(const uint16_t*, size_t);
+using FindRejectedFn = size_t (*)(const uint16_t*, size_t, uint16_t);
 
 // Limits that keep every index computation far from overflow: indices within
 // a section fit in 32 bits (the CUDA kernels rely on it).
@@ -56,6 +56,7 @@ class SectionPlan {
       for (int tensor = 0; tensor < 2; ++tensor) {
         Section s;
         s.codec = fp16_layer[l] ? Codec::kNone : policy.codec;
+        s.dtype = shape.source_dtype;
         s.is_key = tensor == 0;
         s.tokens = shape.tokens_per_block;
         s.heads = H;
@@ -88,27 +89,34 @@ class SectionPlan {
   std::vector<float> scales_;
 };
 
-// INVALID_ARGUMENT naming the first non-finite input value.
+// INVALID_ARGUMENT naming the first rejected input value: non-finite, or for
+// bf16 of magnitude >= 2^126 (internal::RejectBound).
 absl::Status CheckFinite(const BlockShape& shape, absl::Span<const uint16_t> in,
-                         FindNonFiniteFn find) {
+                         FindRejectedFn find) {
   const size_t T = shape.tokens_per_block, H = shape.num_kv_heads,
                D = shape.head_dim;
   const size_t section = T * H * D;
-  const size_t bad = find(in.data(), in.size());
+  const SourceDtype dtype = shape.source_dtype;
+  const size_t bad = find(in.data(), in.size(), internal::RejectBound(dtype));
   if (bad == in.size()) return absl::OkStatus();
+  const float value = internal::SourceToFloat(dtype, in[bad]);
   const size_t layer = bad / (2 * section);
   const bool key = (bad / section) % 2 == 0;
   const size_t i = bad % section;
   const size_t token = i / (H * D), head = (i / D) % H, channel = i % D;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "non-finite input (", HalfToFloat(in[bad]), ") at layer ", layer, " ",
-      key ? "K" : "V", " head ", head, " (token ", token, ", channel ", channel,
-      "); a KV cache never holds inf or NaN"));
+  const bool finite = std::isfinite(value);
+  return absl::InvalidArgumentError(
+      absl::StrCat(finite ? "out-of-range " : "non-finite ",
+                   dtype == SourceDtype::kBf16 ? "bf16 " : "", "input (", value,
+                   ") at layer ", layer, " ", key ? "K" : "V", " head ", head,
+                   " (token ", token, ", channel ", channel, "); ",
+                   finite ? "bf16 sources must be below 2^126 in magnitude"
+                          : "a KV cache never holds inf or NaN"));
 }
 
 absl::Status EncodeWith(const BlockShape& shape, const CodecPolicy& policy,
                         absl::Span<const uint16_t> in, absl::Span<uint8_t> out,
-                        EncodeSectionFn encode, FindNonFiniteFn find,
+                        EncodeSectionFn encode, FindRejectedFn find,
                         bool fast) {
   if (absl::Status st = ValidatePolicy(shape, policy); !st.ok()) return st;
   const size_t in_elems = Fp16BlockBytes(shape) / 2;
@@ -140,11 +148,12 @@ absl::Status EncodeWith(const BlockShape& shape, const CodecPolicy& policy,
   // section is in cache, so the block is read from memory once. When a
   // section holds a non-finite value, the output written so far is zeroed:
   // the caller never sees part of an encoding. With dynamic fp8 scales, the
-  // per-head |x| maximum is the check (>= 0x7C00 means inf or NaN); KIVI
+  // per-head |x| maximum is the check (>= RejectBound: rejected input); KIVI
   // encoders check as they find group extremes (Section::non_finite).
   const bool fp8_dynamic =
       internal::IsFp8(policy.codec) && policy.scale_mode == ScaleMode::kDynamic;
   std::vector<uint16_t> head_max(fp8_dynamic ? shape.num_kv_heads : 0);
+  const uint16_t bound = internal::RejectBound(shape.source_dtype);
   const uint16_t* src = in.data();
   uint8_t* dst = out.data();
   const std::vector<Section>& sections = plan.sections();
@@ -159,12 +168,12 @@ absl::Status EncodeWith(const BlockShape& shape, const CodecPolicy& policy,
     bool non_finite = false;
     if (fp8_dynamic && s.codec != Codec::kNone) {
       internal::HeadAbsMaxSimd(s, src, head_max.data());
-      finite = *std::max_element(head_max.begin(), head_max.end()) < 0x7C00u;
+      finite = *std::max_element(head_max.begin(), head_max.end()) < bound;
       s.head_abs_max = head_max.data();
     } else if (internal::IsKivi(s.codec)) {
       s.non_finite = &non_finite;  // checked while finding group extremes
     } else {
-      finite = find(src, n) == n;
+      finite = find(src, n, bound) == n;
     }
     if (finite) encode(s, src, dst);
     if (!finite || non_finite) {
@@ -223,6 +232,11 @@ absl::Status ValidatePolicy(const BlockShape& shape,
     return absl::InvalidArgumentError(absl::StrCat(
         "block shape too large: num_layers=", L, " num_kv_heads=", H,
         " head_dim=", D, " tokens_per_block=", T));
+  }
+  if (shape.source_dtype != SourceDtype::kFp16 &&
+      shape.source_dtype != SourceDtype::kBf16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown source dtype ", static_cast<int>(shape.source_dtype)));
   }
   if (!ValidCodec(policy.codec)) {
     return absl::InvalidArgumentError(
@@ -288,6 +302,16 @@ absl::Status ValidatePolicy(const BlockShape& shape,
   return absl::OkStatus();
 }
 
+absl::Status RequireFp16Source(const BlockShape& shape,
+                               absl::string_view where) {
+  if (shape.source_dtype == SourceDtype::kFp16) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(
+      where, ": ", SourceDtypeName(shape.source_dtype),
+      " sources are not supported here yet (the codecs take them; the "
+      "namespace layout, store and clients still carry fp16 only: see "
+      "docs/codecs.md)"));
+}
+
 size_t Fp16BlockBytes(const BlockShape& shape) {
   return size_t{shape.num_layers} * 2 * shape.tokens_per_block *
          shape.num_kv_heads * shape.head_dim * 2;
@@ -340,8 +364,8 @@ absl::Status EncodeBlock(const BlockShape& shape, const CodecPolicy& policy,
                          absl::Span<const uint16_t> fp16_in,
                          absl::Span<uint8_t> encoded_out) {
   return EncodeWith(shape, policy, fp16_in, encoded_out,
-                    &internal::EncodeSectionSimd,
-                    &internal::FindNonFiniteHalfSimd, /*fast=*/true);
+                    &internal::EncodeSectionSimd, &internal::FindRejectedSimd,
+                    /*fast=*/true);
 }
 
 absl::Status DecodeBlock(const BlockShape& shape, const CodecPolicy& policy,
@@ -357,7 +381,7 @@ absl::Status EncodeBlockReference(const BlockShape& shape,
                                   absl::Span<uint8_t> encoded_out) {
   return EncodeWith(shape, policy, fp16_in, encoded_out,
                     &internal::EncodeSectionReference,
-                    &internal::FindNonFiniteHalfReference, /*fast=*/false);
+                    &internal::FindRejectedReference, /*fast=*/false);
 }
 
 absl::Status DecodeBlockReference(const BlockShape& shape,
@@ -391,6 +415,23 @@ absl::string_view CodecName(Codec c) {
 std::optional<Codec> CodecFromName(absl::string_view name) {
   for (Codec c : kAllCodecs) {
     if (CodecName(c) == name) return c;
+  }
+  return std::nullopt;
+}
+
+absl::string_view SourceDtypeName(SourceDtype d) {
+  switch (d) {
+    case SourceDtype::kFp16:
+      return "fp16";
+    case SourceDtype::kBf16:
+      return "bf16";
+  }
+  return "unknown";
+}
+
+std::optional<SourceDtype> SourceDtypeFromName(absl::string_view name) {
+  for (SourceDtype d : {SourceDtype::kFp16, SourceDtype::kBf16}) {
+    if (SourceDtypeName(d) == name) return d;
   }
   return std::nullopt;
 }

@@ -1,12 +1,15 @@
-// KV-block codecs: none (fp16), FP8 E4M3 / E5M2, KIVI 2 / 4 bit.
+// KV-block codecs: none (as written), FP8 E4M3 / E5M2, KIVI 2 / 4 bit, from
+// and to fp16 or bf16 sources (BlockShape::source_dtype).
 //
-// BRIEF section 4 is the contract; every path (scalar reference, SIMD, CUDA)
-// produces the same bytes.
+// docs/codecs.md is the contract (the numerics, exactly); every path (scalar
+// reference, SIMD, CUDA) produces the same bytes.
 //
-// fp16 input layout of a block: for layer l in [0, L), for tensor t in
-// {K = 0, V = 1}: a contiguous [T][H][D] array of IEEE fp16 bit patterns
-// (T = tokens_per_block, H = num_kv_heads, D = head_dim). Each (layer, tensor)
-// pair is a "section".
+// Source layout of a block: for layer l in [0, L), for tensor t in
+// {K = 0, V = 1}: a contiguous [T][H][D] array of 16-bit source values, IEEE
+// fp16 or bf16 bit patterns by the shape's source_dtype (T = tokens_per_block,
+// H = num_kv_heads, D = head_dim). Each (layer, tensor) pair is a "section".
+// Below, "fp16" stands for the source dtype: a bf16 block stores bf16 where
+// an fp16 block stores fp16 (the sizes are the same).
 //
 // Encoded layout: the sections in the same order, back to back, no padding
 // between them. Each section is, by codec of its layer:
@@ -52,16 +55,26 @@ using ::kvcache::CodecName;
 using ::kvcache::CodecPolicy;
 using ::kvcache::kAllCodecs;
 using ::kvcache::ScaleMode;
+using ::kvcache::SourceDtype;
+using ::kvcache::SourceDtypeFromName;
+using ::kvcache::SourceDtypeName;
 
 // INVALID_ARGUMENT with a message naming the problem: zero or oversized
 // dimensions (more than 4096 layers, 2^31 elements per section or 2^44
-// bytes per block), an unknown codec, an fp16 layer out of range, static scales
-// for a non-fp8 codec or a dynamic scale mode, static scales of the wrong count
-// or not finite and > 0, a KIVI group size of 0 or not dividing
-// tokens_per_block and head_dim.
+// bytes per block), an unknown source dtype or codec, an fp16 layer out of
+// range, static scales for a non-fp8 codec or a dynamic scale mode, static
+// scales of the wrong count or not finite and > 0, a KIVI group size of 0 or
+// not dividing tokens_per_block and head_dim.
 absl::Status ValidatePolicy(const BlockShape& shape, const CodecPolicy& policy);
 
-// num_layers * 2 * T * H * D * 2.
+// OK for an fp16 source dtype; UNIMPLEMENTED, naming `where`, for bf16. For
+// the parts of the product that do not carry the source dtype yet (the wire
+// layout, the store, the clients: docs/codecs.md), so that they refuse a bf16
+// shape instead of storing its values as fp16.
+absl::Status RequireFp16Source(const BlockShape& shape,
+                               absl::string_view where);
+
+// num_layers * 2 * T * H * D * 2: the source block's size (fp16 or bf16).
 size_t Fp16BlockBytes(const BlockShape& shape);
 // Exact encoded size; the policy must be valid.
 size_t EncodedBlockBytes(const BlockShape& shape, const CodecPolicy& policy);
@@ -84,8 +97,9 @@ std::vector<size_t> EncodedLayerOffsets(const BlockShape& shape,
                                         const CodecPolicy& policy);
 
 // Fast path (SIMD on the CPU). INVALID_ARGUMENT for an invalid policy, spans
-// of the wrong size, or non-finite input: the message names layer, K|V,
-// head, token and channel of the first one, and the output then holds no
+// of the wrong size, or rejected input (non-finite; for bf16 also a magnitude
+// >= 2^126, see docs/codecs.md): the message names layer, K|V, head, token
+// and channel of the first one, and the output then holds no
 // encoding (bytes the call wrote are zeroed; the rest are untouched).
 absl::Status EncodeBlock(const BlockShape& shape, const CodecPolicy& policy,
                          absl::Span<const uint16_t> fp16_in,

@@ -7,16 +7,18 @@
 #include <cstdint>
 
 #include "kernels/codec.h"
+#include "kernels/half.h"
 
 namespace kvcache::kernels::internal {
 
 struct Section {
-  Codec codec = Codec::kNone;  // kNone: the section is kept at fp16
-  bool is_key = true;          // K (true) or V (false)
-  uint32_t tokens = 0;         // T
-  uint32_t heads = 0;          // H
-  uint32_t dim = 0;            // D
-  uint32_t group = 32;         // KIVI group size G
+  Codec codec = Codec::kNone;  // kNone: the section is kept as written
+  SourceDtype dtype = SourceDtype::kFp16;  // of the input / decoded output
+  bool is_key = true;                      // K (true) or V (false)
+  uint32_t tokens = 0;                     // T
+  uint32_t heads = 0;                      // H
+  uint32_t dim = 0;                        // D
+  uint32_t group = 32;                     // KIVI group size G
   // fp8: nullptr for dynamic scales (stored in the section), otherwise
   // `heads` static scales, one per kv head.
   const float* static_scales = nullptr;
@@ -55,12 +57,37 @@ size_t SectionBytes(const Section& s);
 void EncodeSectionReference(const Section& s, const uint16_t* in, uint8_t* out);
 void DecodeSectionReference(const Section& s, const uint8_t* in, uint16_t* out);
 
-// Index of the first non-finite fp16 value in in[0, n), n when none is.
-inline size_t FindNonFiniteHalfReference(const uint16_t* in, size_t n) {
+inline bool IsBf16(const Section& s) { return s.dtype == SourceDtype::kBf16; }
+
+// Exact source value -> fp32, and fp32 -> source rounded to nearest even.
+inline float SourceToFloat(SourceDtype d, uint16_t v) {
+  return d == SourceDtype::kBf16 ? Bf16ToFloat(v) : HalfToFloat(v);
+}
+inline uint16_t SourceFromFloat(SourceDtype d, float f) {
+  return d == SourceDtype::kBf16 ? Bf16FromFloat(f) : HalfFromFloat(f);
+}
+
+// The input a codec rejects, as a bound on (bits & 0x7FFF): a value is
+// rejected when its magnitude bits are >= the bound. fp16: inf and NaN
+// (0x7C00). bf16: inf, NaN and finite values of magnitude >= 2^126 (0x7E80),
+// which keep KIVI's range (mx - mn) and its decode finite (docs/codecs.md).
+inline uint16_t RejectBound(SourceDtype d) {
+  return d == SourceDtype::kBf16 ? 0x7E80u : 0x7C00u;
+}
+
+// Index of the first value in in[0, n) with (bits & 0x7FFF) >= bound, n when
+// none is.
+inline size_t FindRejectedReference(const uint16_t* in, size_t n,
+                                    uint16_t bound) {
   for (size_t i = 0; i < n; ++i) {
-    if ((in[i] & 0x7C00u) == 0x7C00u) return i;
+    if ((in[i] & 0x7FFFu) >= bound) return i;
   }
   return n;
+}
+
+// Index of the first non-finite fp16 value in in[0, n), n when none is.
+inline size_t FindNonFiniteHalfReference(const uint16_t* in, size_t n) {
+  return FindRejectedReference(in, n, 0x7C00u);
 }
 
 // Little-endian loads and stores of metadata.

@@ -1,4 +1,7 @@
-// The scalar reference codecs: BRIEF section 4 written out for clarity.
+// The scalar reference codecs: docs/codecs.md written out for clarity. The
+// source values are fp16 or bf16 (Section::dtype): x = float(source) is exact
+// either way, and every result stored or returned as a 16-bit value is
+// rounded to nearest even into the source dtype.
 // Compiled with -ffp-contract=off: every multiply, add and divide below is a
 // separately rounded IEEE fp32 operation (round to nearest even).
 #include <algorithm>
@@ -33,7 +36,7 @@ size_t KiviGroupIndex(const Section& s, size_t t, size_t h, size_t d) {
   return (t * s.heads + h) * (s.dim / s.group) + d / s.group;
 }
 
-// ---- fp16 ----------------------------------------------------------------
+// ---- kept as written (fp16 or bf16) ------------------------------------
 
 void EncodeFp16(const Section& s, const uint16_t* in, uint8_t* out) {
   for (size_t i = 0; i < s.elements(); ++i) StoreLe16(out + 2 * i, in[i]);
@@ -56,8 +59,8 @@ void EncodeFp8(const Section& s, const uint16_t* in, uint8_t* out) {
       float amax = 0.0f;
       for (size_t t = 0; t < T; ++t) {
         for (size_t d = 0; d < D; ++d) {
-          amax =
-              std::max(amax, std::fabs(HalfToFloat(in[(t * H + h) * D + d])));
+          amax = std::max(
+              amax, std::fabs(SourceToFloat(s.dtype, in[(t * H + h) * D + d])));
         }
       }
       scale[h] = amax == 0.0f ? 1.0f : amax / Fp8Max(s.codec);
@@ -72,7 +75,8 @@ void EncodeFp8(const Section& s, const uint16_t* in, uint8_t* out) {
     for (size_t h = 0; h < H; ++h) {
       for (size_t d = 0; d < D; ++d) {
         const size_t i = (t * H + h) * D + d;
-        codes[i] = Fp8FromFloat(s.codec, HalfToFloat(in[i]) / scale[h]);
+        codes[i] =
+            Fp8FromFloat(s.codec, SourceToFloat(s.dtype, in[i]) / scale[h]);
       }
     }
   }
@@ -90,12 +94,13 @@ void DecodeFp8(const Section& s, const uint8_t* in, uint16_t* out) {
   } else {
     for (size_t h = 0; h < H; ++h) scale[h] = s.static_scales[h];
   }
-  // x' = half_rne(float(code) * scale)
+  // x' = src_rne(float(code) * scale)
   for (size_t t = 0; t < T; ++t) {
     for (size_t h = 0; h < H; ++h) {
       for (size_t d = 0; d < D; ++d) {
         const size_t i = (t * H + h) * D + d;
-        out[i] = HalfFromFloat(Fp8ToFloat(s.codec, codes[i]) * scale[h]);
+        out[i] =
+            SourceFromFloat(s.dtype, Fp8ToFloat(s.codec, codes[i]) * scale[h]);
       }
     }
   }
@@ -118,25 +123,25 @@ void EncodeKivi(const Section& s, const uint16_t* in, uint8_t* out) {
     for (size_t h = 0; h < H; ++h) {
       for (size_t d = 0; d < D; ++d) {
         const size_t g = KiviGroupIndex(s, t, h, d);
-        const float x = HalfToFloat(in[(t * H + h) * D + d]);
+        const float x = SourceToFloat(s.dtype, in[(t * H + h) * D + d]);
         mn[g] = std::min(mn[g], x);
         mx[g] = std::max(mx[g], x);
       }
     }
   }
-  // zero = half(mn), scale = half((mx - mn) / (2^b - 1)). A zero min or max
-  // is +0 whatever the signs of the zeros in the group (x + 0.0f maps -0 to
-  // +0 and leaves every other value alone).
+  // zero = src(mn), scale = src((mx - mn) / (2^b - 1)), src the source dtype. A
+  // zero min or max is +0 whatever the signs of the zeros in the group (x +
+  // 0.0f maps -0 to +0 and leaves every other value alone).
   std::vector<uint16_t> zero_h(groups), scale_h(groups);
   for (size_t g = 0; g < groups; ++g) {
     const float lo = mn[g] + 0.0f;
     const float hi = mx[g] + 0.0f;
-    zero_h[g] = HalfFromFloat(lo);
-    scale_h[g] = HalfFromFloat((hi - lo) / qmax);
+    zero_h[g] = SourceFromFloat(s.dtype, lo);
+    scale_h[g] = SourceFromFloat(s.dtype, (hi - lo) / qmax);
     StoreLe16(zeros + 2 * g, zero_h[g]);
     StoreLe16(scales + 2 * g, scale_h[g]);
   }
-  // code = clamp(rint((x - zero) / scale), 0, 2^b - 1) from the stored fp16
+  // code = clamp(rint((x - zero) / scale), 0, 2^b - 1) from the stored
   // zero and scale; 0 where scale == 0. Packed little end first.
   std::memset(codes, 0, KiviCodeBytes(s));
   for (size_t t = 0; t < T; ++t) {
@@ -144,11 +149,12 @@ void EncodeKivi(const Section& s, const uint16_t* in, uint8_t* out) {
       for (size_t d = 0; d < D; ++d) {
         const size_t i = (t * H + h) * D + d;
         const size_t g = KiviGroupIndex(s, t, h, d);
-        const float zero = HalfToFloat(zero_h[g]);
-        const float scale = HalfToFloat(scale_h[g]);
+        const float zero = SourceToFloat(s.dtype, zero_h[g]);
+        const float scale = SourceToFloat(s.dtype, scale_h[g]);
         uint32_t code = 0;
         if (scale != 0.0f) {
-          const float q = std::nearbyint((HalfToFloat(in[i]) - zero) / scale);
+          const float q =
+              std::nearbyint((SourceToFloat(s.dtype, in[i]) - zero) / scale);
           code = static_cast<uint32_t>(std::clamp(q, 0.0f, qmax));
         }
         const size_t bit = i * bits;
@@ -166,19 +172,19 @@ void DecodeKivi(const Section& s, const uint8_t* in, uint16_t* out) {
   const uint8_t* zeros = in;
   const uint8_t* scales = in + 2 * groups;
   const uint8_t* codes = in + 4 * groups;
-  // x' = half_rne(float(code) * scale + zero): multiply, round, add, round.
+  // x' = src_rne(float(code) * scale + zero): multiply, round, add, round.
   for (size_t t = 0; t < T; ++t) {
     for (size_t h = 0; h < H; ++h) {
       for (size_t d = 0; d < D; ++d) {
         const size_t i = (t * H + h) * D + d;
         const size_t g = KiviGroupIndex(s, t, h, d);
-        const float zero = HalfToFloat(LoadLe16(zeros + 2 * g));
-        const float scale = HalfToFloat(LoadLe16(scales + 2 * g));
+        const float zero = SourceToFloat(s.dtype, LoadLe16(zeros + 2 * g));
+        const float scale = SourceToFloat(s.dtype, LoadLe16(scales + 2 * g));
         const size_t bit = i * bits;
         const uint32_t code = (codes[bit / 8] >> (bit % 8)) & mask;
         const float product = static_cast<float>(code) * scale;
         const float sum = product + zero;
-        out[i] = HalfFromFloat(sum);
+        out[i] = SourceFromFloat(s.dtype, sum);
       }
     }
   }

@@ -7,7 +7,8 @@
 // DivideRn); fp32 -> fp16 and fp32 -> fp8 rounding to nearest even with
 // integer operations, F16C or exact fp32 additions (see F32ToHalf and
 // Fp8FromF32). On AVX-512 and AVX2, fp8 encoding reads most codes from
-// per-head tables built from exact quotients (see "FP8 by table").
+// per-head tables built from exact quotients (see "FP8 by table"). bf16
+// sections have their own, simpler kernels (see "bf16 sources").
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -254,23 +255,31 @@ T* Sized(std::vector<T>& v, size_t n) {
 
 // ---- non-finite scan -----------------------------------------------------
 
-size_t FindNonFiniteImpl(const uint16_t* in, size_t n) {
-  const hn::ScalableTag<uint16_t> d;
+// FindRejectedReference: the first value with (bits & 0x7FFF) >= bound.
+size_t FindRejectedImpl(const uint16_t* in, size_t n, uint16_t bound) {
+  const hn::ScalableTag<uint16_t> du;
+  const hn::RebindToSigned<decltype(du)> d;
   const size_t N = hn::Lanes(d);
-  const auto exp = hn::Set(d, 0x7C00u);
+  const auto mag = hn::Set(du, 0x7FFFu);
+  const auto below = hn::Set(d, static_cast<int16_t>(bound - 1));
   size_t i = 0;
   for (; i + 2 * N <= n; i += 2 * N) {
-    const auto a = hn::Eq(hn::And(hn::LoadU(d, in + i), exp), exp);
-    const auto b = hn::Eq(hn::And(hn::LoadU(d, in + i + N), exp), exp);
+    const auto a =
+        hn::Gt(hn::BitCast(d, hn::And(hn::LoadU(du, in + i), mag)), below);
+    const auto b =
+        hn::Gt(hn::BitCast(d, hn::And(hn::LoadU(du, in + i + N), mag)), below);
     if (!hn::AllFalse(d, hn::Or(a, b))) break;
   }
-  return i + FindNonFiniteHalfReference(in + i, n - i);
+  return i + FindRejectedReference(in + i, n - i, bound);
 }
 
 // For encoders asked to check their input (Section::non_finite): true, with
-// the flag set, when in[0, n) holds inf or NaN.
+// the flag set, when in[0, n) holds rejected input (RejectBound(s.dtype)).
 inline bool RejectNonFinite(const Section& s, const uint16_t* in, size_t n) {
-  if (s.non_finite == nullptr || FindNonFiniteImpl(in, n) == n) return false;
+  if (s.non_finite == nullptr ||
+      FindRejectedImpl(in, n, RejectBound(s.dtype)) == n) {
+    return false;
+  }
   *s.non_finite = true;
   return true;
 }
@@ -1577,6 +1586,361 @@ void DecodeKivi(const Section& s, const uint8_t* in, uint16_t* out) {
   DecodeSectionReference(s, in, out);
 }
 
+// ---- bf16 sources ----------------------------------------------------------
+
+// bf16 sections (Section::dtype): x = float(bf16) is the bf16 bits shifted
+// into the top half of an fp32 (exact); results round to bf16 with integer
+// operations (Bf16FromFloat). Every division is a true IEEE division: bf16
+// values span the whole fp32 range, subnormals included, outside the ranges
+// DivideRn and the fp8 tables are proven for.
+
+template <class DF>
+HWY_INLINE hn::Vec<DF> Bf16ToF32(DF df, hn::Vec<hn::Rebind<uint16_t, DF>> b) {
+  const hn::RebindToUnsigned<DF> du;
+  return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du, b)));
+}
+
+// Bf16FromFloat for every lane, NaN included.
+template <class DF>
+HWY_INLINE hn::Vec<hn::Rebind<uint16_t, DF>> F32ToBf16(DF df, hn::Vec<DF> v) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const auto x = hn::BitCast(du, v);
+  const auto odd = hn::And(hn::ShiftRight<16>(x), hn::Set(du, 1u));
+  const auto rounded =
+      hn::ShiftRight<16>(hn::Add(hn::Add(x, hn::Set(du, 0x7FFFu)), odd));
+  const auto quiet = hn::Or(hn::ShiftRight<16>(x), hn::Set(du, 0x40u));
+  const auto ax = hn::BitCast(di, hn::And(x, hn::Set(du, 0x7FFFFFFFu)));
+  const auto is_nan = hn::RebindMask(du, hn::Gt(ax, hn::Set(di, 0x7F800000)));
+  return hn::TruncateTo(hn::Rebind<uint16_t, DF>(),
+                        hn::IfThenElse(is_nan, quiet, rounded));
+}
+
+template <Codec kCodec>
+void EncodeFp8Bf16(const Section& s, const uint16_t* in, uint8_t* out) {
+  const size_t T = s.tokens, H = s.heads, D = s.dim;
+  Scratch& scratch = GetScratch();
+  float* scale = Sized(scratch.f0, H);
+  uint8_t* codes = out;
+  if (s.static_scales == nullptr) {
+    // The largest (bits & 0x7FFF) of finite bf16 values is the largest |x|.
+    uint16_t* amax_bits = Sized(scratch.u16, H);
+    if (s.head_abs_max != nullptr) {
+      std::copy(s.head_abs_max, s.head_abs_max + H, amax_bits);
+    } else {
+      SectionHeadAbsMax(s, in, amax_bits);
+    }
+    for (size_t h = 0; h < H; ++h) {
+      const float amax = Bf16ToFloat(amax_bits[h]);
+      scale[h] = amax == 0.0f ? 1.0f : amax / Fp8Max(kCodec);
+      StoreLe32(out + 4 * h, FloatBits(scale[h]));
+    }
+    codes = out + 4 * H;
+  } else {
+    for (size_t h = 0; h < H; ++h) scale[h] = s.static_scales[h];
+  }
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const hn::Rebind<uint8_t, decltype(df)> d8;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const size_t N = hn::Lanes(df);
+  for (size_t t = 0; t < T; ++t) {
+    for (size_t h = 0; h < H; ++h) {
+      const size_t base = (t * H + h) * D;
+      const auto vsc = hn::Set(df, scale[h]);
+      size_t j = 0;
+      for (; j + N <= D; j += N) {
+        // code = fp8_rne_satfinite(x / scale); the quotient's sign is x's.
+        const auto x = Bf16ToF32(df, hn::LoadU(d16, in + base + j));
+        const auto c = Fp8Encode<kCodec>(df, hn::Div(x, vsc), x);
+        hn::StoreU(hn::TruncateTo(d8, hn::BitCast(du, c)), d8,
+                   codes + base + j);
+      }
+      for (; j < D; ++j) {
+        codes[base + j] =
+            Fp8Scalar<kCodec>(Bf16ToFloat(in[base + j]) / scale[h]);
+      }
+    }
+  }
+}
+
+template <Codec kCodec>
+void DecodeFp8Bf16(const Section& s, const uint8_t* in, uint16_t* out) {
+  const size_t T = s.tokens, H = s.heads, D = s.dim;
+  Scratch& scratch = GetScratch();
+  float* scale = Sized(scratch.f0, H);
+  const uint8_t* codes = in;
+  if (s.static_scales == nullptr) {
+    for (size_t h = 0; h < H; ++h) {
+      scale[h] = FloatFromBits(LoadLe32(in + 4 * h));
+    }
+    codes = in + 4 * H;
+  } else {
+    for (size_t h = 0; h < H; ++h) scale[h] = s.static_scales[h];
+  }
+  const hn::ScalableTag<float> df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const hn::Rebind<uint8_t, decltype(df)> d8;
+  const size_t N = hn::Lanes(df);
+  constexpr bool kE4M3 = kCodec == Codec::kFp8E4M3;
+  for (size_t t = 0; t < T; ++t) {
+    for (size_t h = 0; h < H; ++h) {
+      const size_t base = (t * H + h) * D;
+      const auto vsc = hn::Set(df, scale[h]);
+      size_t j = 0;
+      for (; j + N <= D; j += N) {
+        // x' = bf16_rne(float(code) * scale)
+        const auto c = hn::PromoteTo(du, hn::LoadU(d8, codes + base + j));
+        const auto v = hn::Mul(Fp8ToF32<kE4M3>(df, c), vsc);
+        hn::StoreU(F32ToBf16(df, v), d16, out + base + j);
+      }
+      for (; j < D; ++j) {
+        out[base + j] =
+            Bf16FromFloat(Fp8ScalarToFloat<kCodec>(codes[base + j]) * scale[h]);
+      }
+    }
+  }
+}
+
+// Per KIVI group of a bf16 section: mn and mx, in metadata order. Keys:
+// group (g, hd) over tokens [g*G, g*G + G), vectors across hd. Values: G
+// consecutive elements, vectors within the group when G is a multiple of
+// the lane count.
+void KiviBf16MinMax(const Section& s, const uint16_t* in, float* mn,
+                    float* mx) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const size_t N = hn::Lanes(df);
+  const size_t G = s.group, n = s.elements();
+  if (s.is_key) {
+    const size_t HD = size_t{s.heads} * s.dim;
+    for (size_t g = 0; g < s.tokens / G; ++g) {
+      const uint16_t* rows = in + g * G * HD;
+      size_t j = 0;
+      for (; j + N <= HD; j += N) {
+        auto lo = Bf16ToF32(df, hn::LoadU(d16, rows + j));
+        auto hi = lo;
+        for (size_t t = 1; t < G; ++t) {
+          const auto x = Bf16ToF32(df, hn::LoadU(d16, rows + t * HD + j));
+          lo = hn::Min(lo, x);
+          hi = hn::Max(hi, x);
+        }
+        hn::StoreU(lo, df, mn + g * HD + j);
+        hn::StoreU(hi, df, mx + g * HD + j);
+      }
+      for (; j < HD; ++j) {
+        float lo = INFINITY, hi = -INFINITY;
+        for (size_t t = 0; t < G; ++t) {
+          const float x = Bf16ToFloat(rows[t * HD + j]);
+          lo = std::min(lo, x);
+          hi = std::max(hi, x);
+        }
+        mn[g * HD + j] = lo;
+        mx[g * HD + j] = hi;
+      }
+    }
+    return;
+  }
+  for (size_t g = 0; g < n / G; ++g) {
+    const uint16_t* x = in + g * G;
+    if (G % N == 0) {
+      auto lo = Bf16ToF32(df, hn::LoadU(d16, x));
+      auto hi = lo;
+      for (size_t j = N; j < G; j += N) {
+        const auto v = Bf16ToF32(df, hn::LoadU(d16, x + j));
+        lo = hn::Min(lo, v);
+        hi = hn::Max(hi, v);
+      }
+      mn[g] = hn::GetLane(hn::MinOfLanes(df, lo));
+      mx[g] = hn::GetLane(hn::MaxOfLanes(df, hi));
+      continue;
+    }
+    float lo = INFINITY, hi = -INFINITY;
+    for (size_t j = 0; j < G; ++j) {
+      lo = std::min(lo, Bf16ToFloat(x[j]));
+      hi = std::max(hi, Bf16ToFloat(x[j]));
+    }
+    mn[g] = lo;
+    mx[g] = hi;
+  }
+}
+
+// code = clamp(rint((x - zero) / scale), 0, qmax), 0 where scale == 0, in
+// the low byte of each 32-bit lane (see KiviCode: x >= zero, so the quotient
+// is >= 0 or -0; adding 2^23 rounds it to nearest even).
+template <class DF>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> KiviCodeBf16(DF df, hn::Vec<DF> x,
+                                                          hn::Vec<DF> zero,
+                                                          hn::Vec<DF> scale,
+                                                          hn::Vec<DF> qmax) {
+  auto q = hn::Div(hn::Sub(x, zero), scale);
+  q = hn::Min(hn::IfThenZeroElse(hn::Eq(scale, hn::Zero(df)), q), qmax);
+  return hn::BitCast(hn::RebindToUnsigned<DF>(),
+                     hn::Add(q, hn::Set(df, 0x1p23f)));
+}
+
+inline uint8_t KiviCodeBf16Scalar(float x, float zero, float scale,
+                                  float qmax) {
+  if (scale == 0.0f) return 0;
+  const float q = std::nearbyint((x - zero) / scale);
+  return static_cast<uint8_t>(std::clamp(q, 0.0f, qmax));
+}
+
+// Packs n codes (one per byte) little end first.
+template <uint32_t kBits>
+void PackAllCodes(const uint8_t* codes, size_t n, uint8_t* out) {
+  constexpr size_t kPerByte = 8 / kBits;
+  const size_t whole = n / kPerByte * kPerByte;
+  PackCodes<kBits>(codes, whole, out);
+  if (whole < n) {
+    uint8_t last = 0;
+    for (size_t i = whole; i < n; ++i) {
+      last |= static_cast<uint8_t>(codes[i] << ((i - whole) * kBits));
+    }
+    out[whole / kPerByte] = last;
+  }
+}
+
+// Codes of a bf16 section in element order, from the per-group zero and
+// scale (as floats, exact bf16 values) in metadata order.
+template <uint32_t kBits>
+void KiviBf16Codes(const Section& s, const uint16_t* in, const float* zero,
+                   const float* scale, uint8_t* codes) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const hn::Rebind<uint8_t, decltype(df)> d8;
+  const size_t N = hn::Lanes(df);
+  const size_t G = s.group, n = s.elements();
+  const float qmax = static_cast<float>((1u << kBits) - 1u);
+  const auto vqmax = hn::Set(df, qmax);
+  if (s.is_key) {
+    const size_t HD = size_t{s.heads} * s.dim;
+    for (size_t t = 0; t < s.tokens; ++t) {
+      const uint16_t* row = in + t * HD;
+      const float* z = zero + (t / G) * HD;
+      const float* sc = scale + (t / G) * HD;
+      uint8_t* c = codes + t * HD;
+      size_t j = 0;
+      for (; j + N <= HD; j += N) {
+        const auto code =
+            KiviCodeBf16(df, Bf16ToF32(df, hn::LoadU(d16, row + j)),
+                         hn::LoadU(df, z + j), hn::LoadU(df, sc + j), vqmax);
+        hn::StoreU(hn::TruncateTo(d8, code), d8, c + j);
+      }
+      for (; j < HD; ++j) {
+        c[j] = KiviCodeBf16Scalar(Bf16ToFloat(row[j]), z[j], sc[j], qmax);
+      }
+    }
+    return;
+  }
+  for (size_t g = 0; g < n / G; ++g) {
+    const size_t b = g * G;
+    size_t j = 0;
+    if (G % N == 0) {
+      const auto z = hn::Set(df, zero[g]), sc = hn::Set(df, scale[g]);
+      for (; j < G; j += N) {
+        const auto x = Bf16ToF32(df, hn::LoadU(d16, in + b + j));
+        hn::StoreU(hn::TruncateTo(d8, KiviCodeBf16(df, x, z, sc, vqmax)), d8,
+                   codes + b + j);
+      }
+    }
+    for (; j < G; ++j) {
+      codes[b + j] =
+          KiviCodeBf16Scalar(Bf16ToFloat(in[b + j]), zero[g], scale[g], qmax);
+    }
+  }
+}
+
+template <uint32_t kBits>
+void EncodeKiviBf16(const Section& s, const uint16_t* in, uint8_t* out) {
+  const size_t n = s.elements();
+  if (RejectNonFinite(s, in, n)) return;
+  const size_t groups = n / s.group;
+  Scratch& scratch = GetScratch();
+  float* mn = Sized(scratch.f1, groups);
+  float* mx = Sized(scratch.f2, groups);
+  KiviBf16MinMax(s, in, mn, mx);
+  // zero = bf16(mn), scale = bf16((mx - mn) / qmax); a zero min or max is +0
+  // (x + 0 maps -0 to +0). mn and mx are overwritten with the stored values.
+  const float qmax = static_cast<float>((1u << kBits) - 1u);
+  for (size_t g = 0; g < groups; ++g) {
+    const float lo = mn[g] + 0.0f, hi = mx[g] + 0.0f;
+    const uint16_t z = Bf16FromFloat(lo);
+    const uint16_t sc = Bf16FromFloat((hi - lo) / qmax);
+    StoreLe16(out + 2 * g, z);
+    StoreLe16(out + 2 * groups + 2 * g, sc);
+    mn[g] = Bf16ToFloat(z);
+    mx[g] = Bf16ToFloat(sc);
+  }
+  uint8_t* codes = Sized(scratch.stage, n);
+  KiviBf16Codes<kBits>(s, in, mn, mx, codes);
+  PackAllCodes<kBits>(codes, n, out + 4 * groups);
+}
+
+template <uint32_t kBits>
+void DecodeKiviBf16(const Section& s, const uint8_t* in, uint16_t* out) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const hn::RebindToSigned<decltype(df)> di;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const hn::Rebind<uint8_t, decltype(df)> d8;
+  const size_t N = hn::Lanes(df);
+  const size_t n = s.elements(), G = s.group, groups = n / G;
+  Scratch& scratch = GetScratch();
+  float* zero = Sized(scratch.f1, groups);
+  float* scale = Sized(scratch.f2, groups);
+  for (size_t g = 0; g < groups; ++g) {
+    zero[g] = Bf16ToFloat(LoadLe16(in + 2 * g));
+    scale[g] = Bf16ToFloat(LoadLe16(in + 2 * groups + 2 * g));
+  }
+  uint8_t* codes = Sized(scratch.stage, n);
+  const uint8_t* packed = in + 4 * groups;
+  constexpr size_t kPerByte = 8 / kBits;
+  const size_t whole = n / kPerByte * kPerByte;
+  UnpackCodes<kBits>(packed, whole, codes);
+  for (size_t i = whole; i < n; ++i) {
+    codes[i] = (packed[i / kPerByte] >> ((i % kPerByte) * kBits)) &
+               ((1u << kBits) - 1u);
+  }
+  // x' = bf16_rne(float(code) * scale + zero): multiply, round, add, round.
+  const auto value = [&](const uint8_t* c, auto z, auto sc) {
+    const auto code =
+        hn::ConvertTo(df, hn::BitCast(di, hn::PromoteTo(du, hn::LoadU(d8, c))));
+    return F32ToBf16(df, hn::Add(hn::Mul(code, sc), z));
+  };
+  const auto scalar = [](uint8_t c, float z, float sc) {
+    return Bf16FromFloat(static_cast<float>(c) * sc + z);
+  };
+  if (s.is_key) {
+    const size_t HD = size_t{s.heads} * s.dim;
+    for (size_t t = 0; t < s.tokens; ++t) {
+      const size_t m = (t / G) * HD, b = t * HD;
+      size_t j = 0;
+      for (; j + N <= HD; j += N) {
+        hn::StoreU(value(codes + b + j, hn::LoadU(df, zero + m + j),
+                         hn::LoadU(df, scale + m + j)),
+                   d16, out + b + j);
+      }
+      for (; j < HD; ++j) {
+        out[b + j] = scalar(codes[b + j], zero[m + j], scale[m + j]);
+      }
+    }
+    return;
+  }
+  for (size_t g = 0; g < groups; ++g) {
+    const size_t b = g * G;
+    size_t j = 0;
+    if (G % N == 0) {
+      const auto z = hn::Set(df, zero[g]), sc = hn::Set(df, scale[g]);
+      for (; j < G; j += N) {
+        hn::StoreU(value(codes + b + j, z, sc), d16, out + b + j);
+      }
+    }
+    for (; j < G; ++j) out[b + j] = scalar(codes[b + j], zero[g], scale[g]);
+  }
+}
+
 #endif  // HWY_TARGET != HWY_SCALAR
 
 // ---- entry points --------------------------------------------------------
@@ -1584,12 +1948,27 @@ void DecodeKivi(const Section& s, const uint8_t* in, uint16_t* out) {
 void EncodeSectionImpl(const Section& s, const uint16_t* in, uint8_t* out) {
 #if HWY_TARGET == HWY_SCALAR
   if (s.non_finite != nullptr &&
-      FindNonFiniteHalfReference(in, s.elements()) != s.elements()) {
+      FindRejectedReference(in, s.elements(), RejectBound(s.dtype)) !=
+          s.elements()) {
     *s.non_finite = true;
     return;
   }
   EncodeSectionReference(s, in, out);
 #else
+  if (IsBf16(s)) {
+    switch (s.codec) {
+      case Codec::kNone:
+        return CopyFp16(s, in, out);
+      case Codec::kFp8E4M3:
+        return EncodeFp8Bf16<Codec::kFp8E4M3>(s, in, out);
+      case Codec::kFp8E5M2:
+        return EncodeFp8Bf16<Codec::kFp8E5M2>(s, in, out);
+      case Codec::kKivi2:
+        return EncodeKiviBf16<2>(s, in, out);
+      case Codec::kKivi4:
+        return EncodeKiviBf16<4>(s, in, out);
+    }
+  }
   switch (s.codec) {
     case Codec::kNone:
       return CopyFp16(s, in, out);
@@ -1609,6 +1988,20 @@ void DecodeSectionImpl(const Section& s, const uint8_t* in, uint16_t* out) {
 #if HWY_TARGET == HWY_SCALAR
   DecodeSectionReference(s, in, out);
 #else
+  if (IsBf16(s)) {
+    switch (s.codec) {
+      case Codec::kNone:
+        return CopyFp16Back(s, in, out);
+      case Codec::kFp8E4M3:
+        return DecodeFp8Bf16<Codec::kFp8E4M3>(s, in, out);
+      case Codec::kFp8E5M2:
+        return DecodeFp8Bf16<Codec::kFp8E5M2>(s, in, out);
+      case Codec::kKivi2:
+        return DecodeKiviBf16<2>(s, in, out);
+      case Codec::kKivi4:
+        return DecodeKiviBf16<4>(s, in, out);
+    }
+  }
   switch (s.codec) {
     case Codec::kNone:
       return CopyFp16Back(s, in, out);
@@ -1636,11 +2029,11 @@ void HeadAbsMaxImpl(const Section& s, const uint16_t* in, uint16_t* head_max) {
 #endif
 }
 
-size_t FindNonFiniteHalfImpl(const uint16_t* in, size_t n) {
+size_t FindRejectedSimdImpl(const uint16_t* in, size_t n, uint16_t bound) {
 #if HWY_TARGET == HWY_SCALAR
-  return FindNonFiniteHalfReference(in, n);
+  return FindRejectedReference(in, n, bound);
 #else
-  return FindNonFiniteImpl(in, n);
+  return FindRejectedImpl(in, n, bound);
 #endif
 }
 
@@ -1662,7 +2055,7 @@ namespace kvcache::kernels::internal {
 
 HWY_EXPORT(EncodeSectionImpl);
 HWY_EXPORT(DecodeSectionImpl);
-HWY_EXPORT(FindNonFiniteHalfImpl);
+HWY_EXPORT(FindRejectedSimdImpl);
 HWY_EXPORT(HeadAbsMaxImpl);
 HWY_EXPORT(TargetNameImpl);
 HWY_EXPORT(DivisionMismatchesImpl);
@@ -1681,8 +2074,12 @@ void DecodeSectionSimd(const Section& s, const uint8_t* in, uint16_t* out) {
   HWY_DYNAMIC_DISPATCH(DecodeSectionImpl)(s, in, out);
 }
 
+size_t FindRejectedSimd(const uint16_t* in, size_t n, uint16_t bound) {
+  return HWY_DYNAMIC_DISPATCH(FindRejectedSimdImpl)(in, n, bound);
+}
+
 size_t FindNonFiniteHalfSimd(const uint16_t* in, size_t n) {
-  return HWY_DYNAMIC_DISPATCH(FindNonFiniteHalfImpl)(in, n);
+  return FindRejectedSimd(in, n, 0x7C00u);
 }
 
 void HeadAbsMaxSimd(const Section& s, const uint16_t* in, uint16_t* head_max) {

@@ -17,9 +17,13 @@ void EncodeSectionSimd(const Section& s, const uint16_t* in, uint8_t* out);
 void DecodeSectionSimd(const Section& s, const uint8_t* in, uint16_t* out);
 // Index of the first non-finite fp16 value in in[0, n), n when none is.
 size_t FindNonFiniteHalfSimd(const uint16_t* in, size_t n);
+// Index of the first value in in[0, n) with (bits & 0x7FFF) >= bound, n when
+// none is (FindRejectedReference).
+size_t FindRejectedSimd(const uint16_t* in, size_t n, uint16_t bound);
 // Per kv head of a section, max over its values of (bits & 0x7FFF): the
-// |x| maximum as fp16 bits, >= 0x7C00 when the head holds inf or NaN. One
-// pass that serves as both the non-finite check and the fp8 dynamic amax.
+// |x| maximum as source bits (fp16 or bf16: the same integer maximum), >=
+// RejectBound(s.dtype) when the head holds rejected input. One pass that
+// serves as both the non-finite check and the fp8 dynamic amax.
 void HeadAbsMaxSimd(const Section& s, const uint16_t* in, uint16_t* head_max);
 
 // For tests: how many (dividend, divisor) pairs the SIMD division of the

@@ -1,5 +1,6 @@
 // Test data shared by the codec tests (CPU SIMD and CUDA): shapes, policies
-// and input generators that reach the edge cases of BRIEF section 4.
+// and input generators (fp16 and bf16) that reach the edge cases of
+// docs/codecs.md.
 #ifndef KVCACHE_KERNELS_CODEC_TEST_UTIL_H_
 #define KVCACHE_KERNELS_CODEC_TEST_UTIL_H_
 
@@ -88,6 +89,70 @@ inline std::vector<uint16_t> MakeData(const BlockShape& shape, Data kind,
     }
   }
   return v;
+}
+
+// The bf16 counterpart of Data, for blocks with source_dtype bf16.
+enum class Bf16Data {
+  kGaussian,
+  kTiny,        // bf16 subnormals and the smallest normals
+  kHuge,        // up to just below 2^126, both signs in a group
+  kSpecials,    // zeros, subnormals, limits, fp8 limits
+  kRandomBits,  // every accepted bf16 pattern is possible
+  kConstant,    // constant groups with a few outliers
+  kSparse,      // mostly signed zeros, single outliers
+};
+
+inline std::vector<uint16_t> MakeBf16Data(const BlockShape& shape,
+                                          Bf16Data kind, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint16_t> v(Fp16BlockBytes(shape) / 2);
+  std::normal_distribution<float> gauss(0.0f, 1.0f);
+  std::uniform_int_distribution<uint32_t> bits(0, 0xFFFF);
+  static const uint16_t kSpecialValues[] = {
+      0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x807F, 0x0080, 0x8080,
+      0x7E7F, 0xFE7F, 0x43E0, 0xC3E0, 0x43E1, 0x4760, 0xC760, 0x4761,
+      0x3F80, 0xBF80, 0x3EAB, 0x0040, 0x7E00, 0xFE00, 0x3C00, 0x477F};
+  const float constant = gauss(rng);
+  for (auto& x : v) {
+    switch (kind) {
+      case Bf16Data::kGaussian:
+        x = Bf16FromFloat(gauss(rng));
+        break;
+      case Bf16Data::kTiny:
+        x = Bf16FromFloat(gauss(rng) * 1e-38f);
+        break;
+      case Bf16Data::kHuge:
+        x = Bf16FromFloat(std::clamp(gauss(rng) * 4e37f, -8.4e37f, 8.4e37f));
+        break;
+      case Bf16Data::kSpecials:
+        x = kSpecialValues[bits(rng) % (sizeof(kSpecialValues) / 2)];
+        break;
+      case Bf16Data::kRandomBits:
+        do {
+          x = static_cast<uint16_t>(bits(rng));
+        } while ((x & 0x7FFFu) >= 0x7E80u);
+        break;
+      case Bf16Data::kConstant:
+        x = Bf16FromFloat(bits(rng) % 97 == 0 ? gauss(rng) * 50 : constant);
+        break;
+      case Bf16Data::kSparse:
+        x = bits(rng) % 61 == 0 ? Bf16FromFloat(gauss(rng) * 1e30f)
+                                : static_cast<uint16_t>((bits(rng) & 1) << 15);
+        break;
+    }
+  }
+  return v;
+}
+
+// Source data of either dtype: kind indexes Data (fp16) or Bf16Data (bf16),
+// both of which have kNumDataKinds kinds.
+inline constexpr int kNumDataKinds = 7;
+inline std::vector<uint16_t> MakeSourceData(const BlockShape& shape, int kind,
+                                            uint32_t seed) {
+  if (shape.source_dtype == SourceDtype::kBf16) {
+    return MakeBf16Data(shape, static_cast<Bf16Data>(kind), seed);
+  }
+  return MakeData(shape, static_cast<Data>(kind), seed);
 }
 
 inline std::vector<CodecPolicy> Policies(const BlockShape& shape,

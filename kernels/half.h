@@ -103,6 +103,36 @@ KVCACHE_HD inline uint16_t HalfFromFloat(float f) {
   return static_cast<uint16_t>(sign | q);  // q == 0x400 is the smallest normal
 }
 
+// ---- bfloat16 ---------------------------------------------------------------
+// bf16 is the top 16 bits of an fp32: sign, the same 8-bit exponent, 7
+// mantissa bits (subnormals included). bf16 -> fp32 is exact; fp32 -> bf16
+// rounds to nearest, ties to even (overflow to infinity, subnormals kept, no
+// flush to zero), and a NaN stays a NaN: its sign and top 7 payload bits kept,
+// made quiet (bit 6 set). Integer operations only, like HalfFromFloat; the
+// CUDA kernels run this same code (the device's own conversion would return
+// one canonical NaN).
+
+// Exact conversion of a bf16 bit pattern to fp32.
+KVCACHE_HD inline float Bf16ToFloat(uint16_t b) {
+  return FloatFromBits(static_cast<uint32_t>(b) << 16);
+}
+
+// fp32 -> bf16, round to nearest even.
+KVCACHE_HD inline uint16_t Bf16FromFloat(float f) {
+  const uint32_t x = FloatBits(f);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) {  // NaN: quiet, payload top kept
+    return static_cast<uint16_t>((x >> 16) | 0x0040u);
+  }
+  // Round the 16 dropped bits to nearest even; a carry into the exponent
+  // (up to infinity) is the correct result.
+  return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+// True when the bf16 bit pattern is an infinity or a NaN.
+KVCACHE_HD inline bool Bf16IsNonFinite(uint16_t b) {
+  return (b & 0x7F80u) == 0x7F80u;
+}
+
 }  // namespace kvcache::kernels
 
 #endif  // KVCACHE_KERNELS_HALF_H_

@@ -4,11 +4,14 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/half.h"
 
 namespace kvcache::kernels {
 namespace {
 
-bool IsNonFinite(uint16_t h) { return (h & 0x7C00) == 0x7C00; }
+bool IsNonFinite(SourceDtype dtype, uint16_t v) {
+  return dtype == SourceDtype::kBf16 ? Bf16IsNonFinite(v) : HalfIsNonFinite(v);
+}
 
 }  // namespace
 
@@ -16,9 +19,9 @@ const char* BlockStateName(BlockState state) {
   return state == BlockState::kSource ? "source" : "round trip";
 }
 
-uint64_t CountNonFinite(absl::Span<const uint16_t> values) {
+uint64_t CountNonFinite(absl::Span<const uint16_t> values, SourceDtype dtype) {
   uint64_t n = 0;
-  for (uint16_t v : values) n += IsNonFinite(v);
+  for (uint16_t v : values) n += IsNonFinite(dtype, v);
   return n;
 }
 
@@ -93,8 +96,8 @@ absl::StatusOr<BlockState> LegalStates::MatchRange(
   const uint16_t got = read[first_wrong];
   return absl::DataLossError(absl::StrCat(
       "element ", Where(offset + first_wrong), " is 0x", absl::Hex(got),
-      IsNonFinite(got) ? " (not finite)" : "", "; legal: 0x",
-      absl::Hex(rt[first_wrong]), " (round trip)",
+      IsNonFinite(shape_.source_dtype, got) ? " (not finite)" : "",
+      "; legal: 0x", absl::Hex(rt[first_wrong]), " (round trip)",
       source_legal_
           ? absl::StrCat(" or 0x", absl::Hex(src[first_wrong]), " (source)")
           : std::string()));

@@ -1,11 +1,12 @@
 // LegalStates: what a read of one block may return, bit for bit, so that a
 // reader that knows what was written can prove every read right.
 //
-// A block written as the fp16 bytes `source` under a codec policy reads
-// back as fp16 in exactly one of these states, the same for all its layers:
+// A block written as the source bytes `source` (fp16 or bf16, by the shape's
+// source_dtype) under a codec policy reads back in that dtype in exactly one
+// of these states, the same for all its layers:
 //  * kSource: the source itself. Legal for codec none (every layer is
 //    stored as written) and for KIVI (a block still in the residual window
-//    is stored as fp16).
+//    is stored as written, fp16 or bf16).
 //  * kRoundTrip: DecodeBlock(EncodeBlock(source)), computed locally; the
 //    codecs are exact (BRIEF section 4), so the store's encode and a local
 //    one agree bit for bit. Layers the policy keeps at fp16 are their
@@ -33,14 +34,15 @@ const char* BlockStateName(BlockState state);
 class LegalStates {
  public:
   // INVALID_ARGUMENT: invalid policy, `source` of the wrong size, or
-  // non-finite source elements (a store refuses those on write).
+  // rejected source elements (non-finite; bf16: also |x| >= 2^126), which a
+  // store refuses on write.
   static absl::StatusOr<LegalStates> Make(const BlockShape& shape,
                                           const CodecPolicy& policy,
                                           absl::Span<const uint16_t> source);
 
-  // The state a whole fp16 block read is in. DATA_LOSS when it is in none:
-  // the message names the first element (layer, K|V, token, head, channel)
-  // that matches no legal state and says whether it is non-finite.
+  // The state a whole block read (in the source dtype) is in. DATA_LOSS when it
+  // is in none: the message names the first element (layer, K|V, token, head,
+  // channel) that matches no legal state and says whether it is non-finite.
   absl::StatusOr<BlockState> Match(absl::Span<const uint16_t> read) const;
   // The same for one section: layer `layer`, tensor `kv` (0: K, 1: V),
   // T*H*D elements in [T][H][D] order (a LayerSlice's k or v).
@@ -70,8 +72,9 @@ class LegalStates {
   bool source_legal_;
 };
 
-// Number of non-finite fp16 elements in `values`.
-uint64_t CountNonFinite(absl::Span<const uint16_t> values);
+// Number of non-finite elements in `values`, fp16 or bf16 bit patterns.
+uint64_t CountNonFinite(absl::Span<const uint16_t> values,
+                        SourceDtype dtype = SourceDtype::kFp16);
 
 }  // namespace kvcache::kernels
 

@@ -388,6 +388,11 @@ absl::StatusOr<std::unique_ptr<Store::Namespace>> Store::MakeNamespace(
       !s.ok()) {
     return s;
   }
+  if (absl::Status s =
+          kernels::RequireFp16Source(config.shape, "Store::RegisterNamespace");
+      !s.ok()) {
+    return s;
+  }
   if (!IsKivi(config.policy.codec)) config.residual_tokens = 0;
   NamespaceInfo info;
   info.fingerprint = Fingerprint(config);

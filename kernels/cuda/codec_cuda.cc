@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -80,6 +81,7 @@ HostPlan MakePlan(const BlockShape& shape, const CodecPolicy& policy) {
   p.dim = shape.head_dim;
   p.group = policy.kivi_group_size;
   p.codec = static_cast<uint32_t>(policy.codec);
+  p.bf16 = shape.source_dtype == SourceDtype::kBf16 ? 1 : 0;
   p.section_elems = uint64_t{shape.tokens_per_block} * H * shape.head_dim;
   p.num_codec_sections = static_cast<uint32_t>(hp.codec_sections.size());
   p.num_fp16_sections = static_cast<uint32_t>(hp.fp16_sections.size());
@@ -251,11 +253,16 @@ absl::Status EncodeBlocksCuda(const BlockShape& shape,
   uint16_t value = 0;
   cudaMemcpy(&value, fp16_in[block] + element, sizeof(value),
              cudaMemcpyDeviceToHost);
+  const float x = kernels::internal::SourceToFloat(shape.source_dtype, value);
+  const bool finite = std::isfinite(x);
   return absl::InvalidArgumentError(absl::StrCat(
-      "non-finite input (", HalfToFloat(value), ") in block ", block,
-      " of the batch at layer ", sec / 2, " ", sec % 2 == 0 ? "K" : "V",
-      " head ", (i / D) % H, " (token ", i / (H * D), ", channel ", i % D,
-      "); a KV cache never holds inf or NaN"));
+      finite ? "out-of-range " : "non-finite ",
+      shape.source_dtype == SourceDtype::kBf16 ? "bf16 " : "", "input (", x,
+      ") in block ", block, " of the batch at layer ", sec / 2, " ",
+      sec % 2 == 0 ? "K" : "V", " head ", (i / D) % H, " (token ", i / (H * D),
+      ", channel ", i % D, "); ",
+      finite ? "bf16 sources must be below 2^126 in magnitude"
+             : "a KV cache never holds inf or NaN"));
 }
 
 absl::Status DecodeBlocksCuda(const BlockShape& shape,

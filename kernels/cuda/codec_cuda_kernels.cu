@@ -5,7 +5,8 @@
 // by an approximate division (this file is also compiled with -fmad=false
 // and --prec-div=true). fp32 -> fp16 uses the hardware conversion, which
 // rounds to nearest even with subnormals and overflow to infinity exactly as
-// HalfFromFloat does (NaN aside: see ToHalf).
+// HalfFromFloat does (NaN aside: see ToHalf). bf16 sources (DevicePlan::bf16)
+// convert with the integer code of kernels/half.h.
 #include <cuda_fp16.h>
 
 #include <cstdint>
@@ -62,21 +63,41 @@ __device__ inline float FromHalf(uint16_t h) {
   return __half2float(__ushort_as_half(h));
 }
 
+// The source dtype of a plan (DevicePlan::bf16): x = float(source), exact,
+// and results rounded to nearest even into it. bf16 uses the integer
+// conversions of kernels/half.h, the CPU's very code.
+__device__ inline float FromSource(uint32_t bf16, uint16_t v) {
+  return bf16 ? Bf16ToFloat(v) : FromHalf(v);
+}
+__device__ inline uint16_t ToSource(uint32_t bf16, float f) {
+  return bf16 ? Bf16FromFloat(f) : ToHalf(f);
+}
+// Input the codecs reject (internal::RejectBound on the CPU): non-finite,
+// and for bf16 also a magnitude >= 2^126.
+__device__ inline bool Rejected(uint32_t bf16, uint16_t v) {
+  return (v & 0x7FFFu) >= (bf16 ? 0x7E80u : 0x7C00u);
+}
+
 template <uint32_t kCodec>
 __device__ inline uint8_t Fp8Encode(float q) {
   return kCodec == kFp8E4M3 ? Fp8E4M3FromFloat(q) : Fp8E5M2FromFloat(q);
 }
 
 template <uint32_t kCodec>
-__device__ inline uint16_t Fp8DecodeToHalf(uint8_t code, float scale) {
+__device__ inline uint16_t Fp8DecodeToSource(uint32_t bf16, uint8_t code,
+                                             float scale) {
   const uint32_t a = code & 0x7Fu;
   const bool nan = kCodec == kFp8E4M3 ? a == 0x7Fu : a > 0x7Cu;
   // The CPU keeps the NaN's sign through the multiply and makes it quiet:
-  // sign | 0x7E00. The GPU would return its canonical NaN.
-  if (nan) return static_cast<uint16_t>((code & 0x80u) << 8 | 0x7E00u);
+  // sign | 0x7E00 (fp16), sign | 0x7FC0 (bf16). The GPU would return its
+  // canonical NaN.
+  if (nan) {
+    return static_cast<uint16_t>((code & 0x80u) << 8 |
+                                 (bf16 ? 0x7FC0u : 0x7E00u));
+  }
   const float v =
       kCodec == kFp8E4M3 ? Fp8E4M3ToFloat(code) : Fp8E5M2ToFloat(code);
-  return ToHalf(__fmul_rn(v, scale));
+  return ToSource(bf16, __fmul_rn(v, scale));
 }
 
 // Indices within a section are 32-bit (ValidatePolicy keeps T*H*D < 2^31;
@@ -97,7 +118,7 @@ __global__ void EncodeFp16Kernel(DevicePlan p) {
   uint8_t* out = p.encoded[block] + p.out_offsets[sec];
   for (uint32_t e = GridStart(); e < n; e += GridStride()) {
     const uint16_t h = in[e];
-    if (HalfIsNonFinite(h))
+    if (Rejected(p.bf16, h))
       ReportBad(p.first_bad, block, uint64_t{sec} * n + e);
     StoreLe16(out + 2 * e, h);
   }
@@ -140,13 +161,15 @@ __global__ void EncodeFp8Kernel(DevicePlan p) {
     for (uint32_t k = threadIdx.x; k < per_head; k += blockDim.x, w.Next()) {
       const uint32_t e = (w.row * H + h) * D + w.col;
       const uint16_t x = in[e];
-      if (HalfIsNonFinite(x))
+      if (Rejected(p.bf16, x)) {
         ReportBad(p.first_bad, block, uint64_t{sec} * n + e);
+      }
       m = max(m, static_cast<unsigned int>(x & 0x7FFFu));
     }
     atomicMax(&amax_bits, m);
     __syncthreads();
-    const float amax = HalfToFloat(static_cast<uint16_t>(amax_bits));
+    const float amax = p.bf16 ? Bf16ToFloat(static_cast<uint16_t>(amax_bits))
+                              : HalfToFloat(static_cast<uint16_t>(amax_bits));
     const float fp8_max = kCodec == kFp8E4M3 ? 448.0f : 57344.0f;
     scale = amax == 0.0f ? 1.0f : __fdiv_rn(amax, fp8_max);
     if (threadIdx.x == 0) StoreLe32(out + 4 * h, FloatBits(scale));
@@ -160,10 +183,10 @@ __global__ void EncodeFp8Kernel(DevicePlan p) {
   for (uint32_t k = threadIdx.x; k < per_head; k += blockDim.x, w.Next()) {
     const uint32_t e = (w.row * H + h) * D + w.col;
     const uint16_t x = in[e];
-    if (p.static_scales != nullptr && HalfIsNonFinite(x)) {
+    if (p.static_scales != nullptr && Rejected(p.bf16, x)) {
       ReportBad(p.first_bad, block, uint64_t{sec} * n + e);
     }
-    codes[e] = Fp8Encode<kCodec>(__fdiv_rn(FromHalf(x), scale));
+    codes[e] = Fp8Encode<kCodec>(__fdiv_rn(FromSource(p.bf16, x), scale));
   }
 }
 
@@ -186,7 +209,7 @@ __global__ void DecodeFp8Kernel(DevicePlan p) {
   for (uint32_t k = threadIdx.x; k < per_head; k += blockDim.x, w.Next()) {
     const uint32_t e = (w.row * H + h) * D + w.col;
     // x' = half_rne(float(code) * scale)
-    out[e] = Fp8DecodeToHalf<kCodec>(codes[e], scale);
+    out[e] = Fp8DecodeToSource<kCodec>(p.bf16, codes[e], scale);
   }
 }
 
@@ -215,17 +238,19 @@ __global__ void KiviMetaKernel(DevicePlan p) {
     for (uint32_t j = 0; j < G; ++j) {
       const uint32_t e = base + j * stride;
       const uint16_t x = in[e];
-      if (HalfIsNonFinite(x))
+      if (Rejected(p.bf16, x)) {
         ReportBad(p.first_bad, block, uint64_t{sec} * n + e);
-      const float v = FromHalf(x);
+      }
+      const float v = FromSource(p.bf16, x);
       mn = fminf(mn, v);
       mx = fmaxf(mx, v);
     }
     // A zero min or max is +0.
     const float lo = __fadd_rn(mn, 0.0f);
     const float hi = __fadd_rn(mx, 0.0f);
-    StoreLe16(zeros + 2 * k, ToHalf(lo));
-    StoreLe16(scales + 2 * k, ToHalf(__fdiv_rn(__fsub_rn(hi, lo), qmax)));
+    StoreLe16(zeros + 2 * k, ToSource(p.bf16, lo));
+    StoreLe16(scales + 2 * k,
+              ToSource(p.bf16, __fdiv_rn(__fsub_rn(hi, lo), qmax)));
   }
 }
 
@@ -256,15 +281,15 @@ __global__ void KiviCodesKernel(DevicePlan p) {
       const uint32_t e = static_cast<uint32_t>(e64);
       const uint32_t g = w.group();
       if (g != last) {
-        zero = FromHalf(LoadLe16(zeros + 2 * g));
-        scale = FromHalf(LoadLe16(scales + 2 * g));
+        zero = FromSource(p.bf16, LoadLe16(zeros + 2 * g));
+        scale = FromSource(p.bf16, LoadLe16(scales + 2 * g));
         last = g;
       }
       uint32_t code = 0;
       if (scale != 0.0f) {
         // clamp(rint((x - zero) / scale), 0, 2^b - 1)
         const float q =
-            rintf(__fdiv_rn(__fsub_rn(FromHalf(in[e]), zero), scale));
+            rintf(__fdiv_rn(__fsub_rn(FromSource(p.bf16, in[e]), zero), scale));
         code = static_cast<uint32_t>(fminf(fmaxf(q, 0.0f), qmax));
       }
       packed |= code << (u * kBits);
@@ -300,15 +325,15 @@ __global__ void KiviDecodeKernel(DevicePlan p) {
       const uint32_t e = static_cast<uint32_t>(e64);
       const uint32_t g = w.group();
       if (g != last) {
-        zero = FromHalf(LoadLe16(zeros + 2 * g));
-        scale = FromHalf(LoadLe16(scales + 2 * g));
+        zero = FromSource(p.bf16, LoadLe16(zeros + 2 * g));
+        scale = FromSource(p.bf16, LoadLe16(scales + 2 * g));
         last = g;
       }
       const uint32_t code = (packed >> (u * kBits)) & kMask;
       // x' = half_rne(float(code) * scale + zero): multiply, round, add,
       // round.
       const float product = __fmul_rn(static_cast<float>(code), scale);
-      out[e] = ToHalf(__fadd_rn(product, zero));
+      out[e] = ToSource(p.bf16, __fadd_rn(product, zero));
     }
   }
 }

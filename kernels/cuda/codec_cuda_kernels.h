@@ -16,6 +16,7 @@ struct DevicePlan {
   uint32_t dim = 0;            // D
   uint32_t group = 0;          // KIVI G
   uint32_t codec = 0;          // kvcache::kernels::Codec
+  uint32_t bf16 = 0;           // 1: bf16 sources, 0: fp16
   uint64_t section_elems = 0;  // T*H*D
   uint32_t num_codec_sections = 0;
   uint32_t num_fp16_sections = 0;
@@ -27,8 +28,8 @@ struct DevicePlan {
   const float* static_scales = nullptr;
   uint16_t* const* fp16 = nullptr;    // per block: encode input, decode output
   uint8_t* const* encoded = nullptr;  // per block: encode output, decode input
-  // Encode: min over non-finite inputs of (block << 43 | element in block);
-  // stays ~0 when every input is finite.
+  // Encode: min over rejected inputs (non-finite; bf16: also |x| >= 2^126)
+  // of (block << 43 | element in block); stays ~0 when none is.
   unsigned long long* first_bad = nullptr;
 };
 

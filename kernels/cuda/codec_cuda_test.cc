@@ -1,5 +1,6 @@
-// The CUDA codecs against the scalar reference, byte for byte. Skipped (not
-// passed) where no CUDA device is present; the argument checks run anywhere.
+// The CUDA codecs against the scalar reference, byte for byte, for fp16 and
+// bf16 sources. Skipped (not passed) where no CUDA device is present; the
+// argument checks run anywhere.
 #include "kernels/cuda/codec_cuda.h"
 
 #include <cuda_runtime.h>
@@ -22,7 +23,6 @@ namespace kvcache::kernels::cuda {
 namespace {
 
 using ::testing::HasSubstr;
-using testutil::AllData;
 using testutil::Data;
 using testutil::Describe;
 using testutil::MakeData;
@@ -113,15 +113,17 @@ TEST(CudaCodecArgsTest, DeviceCountIsNeverAnError) {
 }
 
 // Batches of three blocks with different data, every shape, policy and data
-// kind of the SIMD test, encode and decode compared with the reference.
-TEST_F(CudaCodecTest, EncodeAndDecodeMatchReferenceBitForBit) {
-  std::mt19937 rng(4321);
+// kind of the SIMD test, encode and decode compared with the reference; the
+// blocks' source dtype is `dtype`.
+void CheckBatchesMatchReference(SourceDtype dtype, uint32_t seed) {
+  std::mt19937 rng(seed);
   size_t blocks = 0;
-  for (const ShapeCase& sc : Shapes()) {
+  for (ShapeCase sc : Shapes()) {
+    sc.shape.source_dtype = dtype;
     for (const CodecPolicy& p : Policies(sc.shape, sc.group, rng)) {
       if (!ValidatePolicy(sc.shape, p).ok()) continue;
       const size_t bytes = EncodedBlockBytes(sc.shape, p);
-      for (Data kind : AllData()) {
+      for (int kind = 0; kind < testutil::kNumDataKinds; ++kind) {
         std::vector<std::vector<uint16_t>> in;
         std::vector<std::vector<uint8_t>> ref;
         std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> d_in, d_out16;
@@ -131,7 +133,8 @@ TEST_F(CudaCodecTest, EncodeAndDecodeMatchReferenceBitForBit) {
         std::vector<const uint8_t*> enc_const;
         std::vector<uint16_t*> out_ptrs;
         for (int b = 0; b < 3; ++b) {
-          in.push_back(MakeData(sc.shape, kind, static_cast<uint32_t>(rng())));
+          in.push_back(testutil::MakeSourceData(sc.shape, kind,
+                                                static_cast<uint32_t>(rng())));
           ref.emplace_back(bytes);
           ASSERT_TRUE(EncodeBlockReference(sc.shape, p, in.back(),
                                            absl::MakeSpan(ref.back()))
@@ -176,17 +179,29 @@ TEST_F(CudaCodecTest, EncodeAndDecodeMatchReferenceBitForBit) {
   EXPECT_GT(blocks, size_t{1500});
 }
 
+TEST_F(CudaCodecTest, EncodeAndDecodeMatchReferenceBitForBit) {
+  CheckBatchesMatchReference(SourceDtype::kFp16, 4321);
+}
+
+// bf16 sources (docs/codecs.md): the same, on bf16 data of every kind
+// (subnormals, magnitudes up to just below 2^126, constant groups, ±0).
+TEST_F(CudaCodecTest, Bf16EncodeAndDecodeMatchReferenceBitForBit) {
+  CheckBatchesMatchReference(SourceDtype::kBf16, 8642);
+}
+
 // Arbitrary fp8 codes (NaN and infinity codes included) and KIVI codes with
-// finite metadata decode the same.
-TEST_F(CudaCodecTest, DecodeOfArbitraryBytesMatchesReference) {
-  std::mt19937 rng(17);
-  for (const ShapeCase& sc : Shapes()) {
+// finite metadata decode the same; the blocks' source dtype is `dtype`.
+void CheckArbitraryDecodeMatchesReference(SourceDtype dtype, uint32_t seed) {
+  std::mt19937 rng(seed);
+  for (ShapeCase sc : Shapes()) {
+    sc.shape.source_dtype = dtype;
     for (const CodecPolicy& p : Policies(sc.shape, sc.group, rng)) {
       if (!ValidatePolicy(sc.shape, p).ok()) continue;
       // Start from a real encoding (sane scales and metadata), then
       // randomize the codes.
       const std::vector<uint16_t> in =
-          MakeData(sc.shape, Data::kGaussian, static_cast<uint32_t>(rng()));
+          testutil::MakeSourceData(sc.shape, static_cast<int>(Data::kGaussian),
+                                   static_cast<uint32_t>(rng()));
       std::vector<uint8_t> enc(EncodedBlockBytes(sc.shape, p));
       ASSERT_TRUE(
           EncodeBlockReference(sc.shape, p, in, absl::MakeSpan(enc)).ok());
@@ -237,6 +252,58 @@ TEST_F(CudaCodecTest, DecodeOfArbitraryBytesMatchesReference) {
   }
 }
 
+TEST_F(CudaCodecTest, DecodeOfArbitraryBytesMatchesReference) {
+  CheckArbitraryDecodeMatchesReference(SourceDtype::kFp16, 17);
+}
+
+TEST_F(CudaCodecTest, Bf16DecodeOfArbitraryBytesMatchesReference) {
+  CheckArbitraryDecodeMatchesReference(SourceDtype::kBf16, 71);
+}
+
+// FP8 on all 64,768 accepted bf16 patterns (one head of 506 tokens x 128
+// channels), dynamic and static scales: the GPU's codes and decoded values
+// equal the reference's (kernels/bf16_test.cc checks the reference against
+// an independent model).
+TEST_F(CudaCodecTest, Bf16Fp8EveryPatternMatchesReference) {
+  BlockShape shape{1, 1, 128, 506};
+  shape.source_dtype = SourceDtype::kBf16;
+  std::vector<uint16_t> in;
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    if ((b & 0x7FFFu) < 0x7E80u) in.push_back(static_cast<uint16_t>(b));
+  }
+  ASSERT_EQ(in.size(), size_t{506} * 128);
+  const std::vector<uint16_t> reversed(in.rbegin(), in.rend());
+  in.insert(in.end(), reversed.begin(), reversed.end());  // V: reversed
+  for (Codec c : {Codec::kFp8E4M3, Codec::kFp8E5M2}) {
+    for (float sc : {0.0f, 1.0f, 3e-5f, 1e-40f, 3e38f,
+                     FloatFromBits(0x3F808000u), FloatFromBits(0x3F818000u)}) {
+      CodecPolicy p;
+      p.codec = c;
+      if (sc != 0.0f) {
+        p.scale_mode = ScaleMode::kStaticPerLayer;
+        p.static_k_scales = {sc};
+        p.static_v_scales = {sc};
+      }
+      const size_t bytes = EncodedBlockBytes(shape, p);
+      std::vector<uint8_t> ref(bytes);
+      ASSERT_TRUE(EncodeBlockReference(shape, p, in, absl::MakeSpan(ref)).ok());
+      std::vector<uint16_t> want(in.size());
+      ASSERT_TRUE(
+          DecodeBlockReference(shape, p, ref, absl::MakeSpan(want)).ok());
+      DeviceBuffer<uint16_t> d_in(in), d_out(in.size());
+      DeviceBuffer<uint8_t> d_enc(bytes);
+      const uint16_t* ins[1] = {d_in.get()};
+      uint8_t* encs[1] = {d_enc.get()};
+      ASSERT_TRUE(EncodeBlocksCuda(shape, p, ins, encs).ok());
+      EXPECT_EQ(d_enc.ToHost(), ref) << CodecName(c) << " scale " << sc;
+      const uint8_t* enc_in[1] = {d_enc.get()};
+      uint16_t* outs[1] = {d_out.get()};
+      ASSERT_TRUE(DecodeBlocksCuda(shape, p, enc_in, outs).ok());
+      EXPECT_EQ(d_out.ToHost(), want) << CodecName(c) << " scale " << sc;
+    }
+  }
+}
+
 TEST_F(CudaCodecTest, RejectsNonFiniteNamingBlockLayerAndHead) {
   const BlockShape shape{3, 4, 16, 8};
   const size_t sec = size_t{8} * 4 * 16;
@@ -259,6 +326,40 @@ TEST_F(CudaCodecTest, RejectsNonFiniteNamingBlockLayerAndHead) {
                 HasSubstr("block 1 of the batch at layer 2 V head 3 (token 5, "
                           "channel 7)"))
         << CodecName(c);
+  }
+}
+
+// bf16: inf, NaN and finite magnitudes >= 2^126 are rejected like the CPU
+// paths reject them, naming block, layer and head.
+TEST_F(CudaCodecTest, Bf16RejectsNonFiniteAndOutOfRange) {
+  BlockShape shape{3, 4, 16, 8};
+  shape.source_dtype = SourceDtype::kBf16;
+  const size_t sec = size_t{8} * 4 * 16;
+  for (Codec c : kAllCodecs) {
+    for (uint16_t bad : {0xFF80, 0x7FC0, 0x7E80, 0xFF7F}) {
+      CodecPolicy p;
+      p.codec = c;
+      p.kivi_group_size = 8;
+      std::vector<uint16_t> a =
+          testutil::MakeBf16Data(shape, testutil::Bf16Data::kGaussian, 1);
+      std::vector<uint16_t> b =
+          testutil::MakeBf16Data(shape, testutil::Bf16Data::kGaussian, 2);
+      // Block 1, layer 2, V, token 5, head 3, channel 7.
+      b[(2 * 2 + 1) * sec + (5 * 4 + 3) * 16 + 7] = bad;
+      DeviceBuffer<uint16_t> da(a), db(b);
+      DeviceBuffer<uint8_t> ea(EncodedBlockBytes(shape, p)),
+          eb(EncodedBlockBytes(shape, p));
+      const uint16_t* ins[2] = {da.get(), db.get()};
+      uint8_t* outs[2] = {ea.get(), eb.get()};
+      const absl::Status st = EncodeBlocksCuda(shape, p, ins, outs);
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument)
+          << CodecName(c) << " " << bad;
+      EXPECT_THAT(std::string(st.message()), HasSubstr("bf16 input"));
+      EXPECT_THAT(std::string(st.message()),
+                  HasSubstr("block 1 of the batch at layer 2 V head 3 (token "
+                            "5, channel 7)"))
+          << CodecName(c) << " " << bad;
+    }
   }
 }
 

@@ -5,7 +5,7 @@
 // public headers can be installed with it as they are.
 //
 // The byte layouts and the numerics of each codec are specified in
-// kernels/codec.h and BRIEF section 4.
+// kernels/codec.h and docs/codecs.md.
 #ifndef KVCACHE_CODEC_H_
 #define KVCACHE_CODEC_H_
 
@@ -33,11 +33,26 @@ inline constexpr Codec kAllCodecs[] = {Codec::kNone, Codec::kFp8E4M3,
                                        Codec::kFp8E5M2, Codec::kKivi2,
                                        Codec::kKivi4};
 
+// The dtype of a block's source values (what EncodeBlock reads and
+// DecodeBlock writes): 16-bit IEEE binary16 or bfloat16 bit patterns. The
+// numerics of each are specified in docs/codecs.md.
+enum class SourceDtype : uint8_t {
+  kFp16 = 0,
+  kBf16 = 1,
+};
+
+// "fp16", "bf16"; "unknown" otherwise.
+absl::string_view SourceDtypeName(SourceDtype d);
+std::optional<SourceDtype> SourceDtypeFromName(absl::string_view name);
+
 struct BlockShape {
   uint32_t num_layers = 0;
   uint32_t num_kv_heads = 0;
   uint32_t head_dim = 0;
   uint32_t tokens_per_block = 0;
+  // Part of the layout: both dtypes are 2 bytes per value, so sizes do not
+  // depend on it. fp16 unless set.
+  SourceDtype source_dtype = SourceDtype::kFp16;
 };
 
 enum class ScaleMode : uint8_t {
