@@ -10,6 +10,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -213,6 +214,7 @@ absl::Status Client::Impl::Rpc(
   }
   grpc::ClientContext ctx;
   ctx.set_deadline(GrpcDeadline(scope.deadline));
+  Authorize(&ctx);
   auto canceller = std::make_shared<ContextCanceller>(&ctx);
   const uint64_t id =
       scope.cancel == nullptr
@@ -237,6 +239,7 @@ absl::Status Client::Impl::EndPulledWrite(uint64_t write_id) {
     grpc::ClientContext ctx;
     ctx.set_deadline(
         absl::ToChronoTime(std::min(give_up, absl::Now() + absl::Seconds(1))));
+    Authorize(&ctx);
     const grpc::Status s = stub->AbortWrite(&ctx, request, &response);
     // Gone (aborted now, or committed or dropped before): FAILED_PRECONDITION,
     // the stale-lease code; NOT_FOUND from nodes before it. ABORTED: a
@@ -262,6 +265,7 @@ void Client::Impl::AbortWriteAsync(uint64_t write_id) {
       std::min(options.timeout, kCleanupTimeout), std::move(request),
       [this](auto* ctx, auto* req, auto* resp,
              std::function<void(grpc::Status)> done) {
+        Authorize(ctx);
         stub->async()->AbortWrite(ctx, req, resp, std::move(done));
       });
 }
@@ -274,6 +278,7 @@ void Client::Impl::AbandonRead(uint64_t read_id) {
       std::min(options.timeout, kCleanupTimeout), std::move(request),
       [this](auto* ctx, auto* req, auto* resp,
              std::function<void(grpc::Status)> done) {
+        Authorize(ctx);
         stub->async()->EndRead(ctx, req, resp, std::move(done));
       });
 }
@@ -483,6 +488,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
   }
   if (options.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("ClientOptions.timeout must be > 0");
+  }
+  for (char c : options.bearer_token) {
+    if (c <= ' ' || c > '~') {
+      return absl::InvalidArgumentError(
+          "ClientOptions.bearer_token holds a space or a character that is "
+          "not printable ASCII");
+    }
   }
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       ChannelCredentials(options.tls);
@@ -840,6 +852,35 @@ absl::StatusOr<uint32_t> Client::Delete(const std::string& ns,
   return response.deleted();
 }
 
+absl::StatusOr<uint64_t> Client::DropNamespace(const std::string& ns,
+                                               const CallOptions& call) {
+  v1::DropNamespaceRequest request;
+  request.set_namespace_name(ns);
+  v1::DropNamespaceResponse response;
+  absl::Status st =
+      impl_->Rpc(impl_->Scope(call), [&](grpc::ClientContext* ctx) {
+        return impl_->stub->DropNamespace(ctx, request, &response);
+      });
+  if (!st.ok()) return st;
+  return response.blocks_dropped();
+}
+
+absl::StatusOr<std::string> ReadBearerTokenFile(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  const std::string token(absl::StripAsciiWhitespace(line));
+  if (!in.good() && !in.eof()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token file ", path, ": cannot be read"));
+  }
+  if (token.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token file ", path, ": cannot be read or is empty"));
+  }
+  return token;
+}
+
 absl::StatusOr<NodeStats> Client::Stats(const CallOptions& call) {
   v1::StatsRequest request;
   v1::StatsResponse response;
@@ -869,6 +910,11 @@ absl::StatusOr<NodeStats> Client::Stats(const CallOptions& call) {
     u.tokens_that_fit.insert(n.tokens_that_fit().begin(),
                              n.tokens_that_fit().end());
     s.namespaces[n.name()] = std::move(u);
+  }
+  if (response.has_tenant()) {
+    const v1::TenantUsage& t = response.tenant();
+    s.tenant = TenantUsage{t.name(), t.pool_bytes_used(), t.pool_bytes_quota(),
+                           t.namespaces(), t.max_namespaces()};
   }
   s.evictions = response.evictions();
   s.data_loss_events = response.data_loss_events();

@@ -56,11 +56,20 @@ inline uint64_t CacheLineRound(uint64_t bytes) {
 
 struct Client::Impl {
   explicit Impl(const ClientOptions& client_options)
-      : options(client_options), buffers(options.max_idle_buffer_bytes) {}
+      : options(client_options),
+        authorization(options.bearer_token.empty()
+                          ? std::string()
+                          : "Bearer " + options.bearer_token),
+        buffers(options.max_idle_buffer_bytes) {}
 
   // ---- Calls and RPCs (client.cc)
 
   internal::CallScope Scope(const CallOptions& call) const;
+  // Adds the caller's credential (ClientOptions::bearer_token) to `ctx`.
+  void Authorize(grpc::ClientContext* ctx) const {
+    if (!authorization.empty())
+      ctx->AddMetadata("authorization", authorization);
+  }
   // One unary RPC of a call: its deadline on the context, its cancel token
   // wired to TryCancel for as long as the RPC runs.
   absl::Status Rpc(const internal::CallScope& scope,
@@ -177,6 +186,7 @@ struct Client::Impl {
                               PutResult* total);
 
   const ClientOptions options;
+  const std::string authorization;  // "Bearer TOKEN", or empty
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::KvCache::Stub> stub;
 

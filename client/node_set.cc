@@ -96,6 +96,7 @@ absl::StatusOr<std::shared_ptr<NodeState>> NodeSet::Connect(
   co.max_message_bytes = options_.max_message_bytes;
   co.data_plane = options_.data_plane;
   co.tls = options_.tls;
+  co.bearer_token = options_.bearer_token;
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(co);
   if (!client.ok()) return client.status();
   return std::make_shared<NodeState>(id, *std::move(client),

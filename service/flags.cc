@@ -156,6 +156,10 @@ absl::Status ApplyFlag(absl::string_view name, absl::string_view value,
     o.tls.client_ca_file = std::string(value);
   } else if (name == "tls-refresh") {
     return parse_seconds(&o.tls.refresh_interval);
+  } else if (name == "tenants") {
+    o.tenants_file = std::string(value);
+  } else if (name == "tenants-refresh") {
+    return parse_seconds(&o.tenants_refresh);
   } else if (name == "drain-notice") {
     return parse_seconds(&out->drain_notice);
   } else if (name == "workers") {
@@ -224,6 +228,12 @@ Usage: kvcache-node [--flag=value ...]
   --tls-client-ca=FILE          with --tls-cert: require client
                                 certificates signed by this CA (mTLS)
   --tls-refresh=SECONDS         how often the TLS files are re-read
+                                (default 10)
+  --tenants=FILE                tenants (kvcache/v1/tenants.proto, text
+                                format): every call then needs a bearer
+                                token or client certificate of a tenant
+                                (default: none, the node runs open)
+  --tenants-refresh=SECONDS     how often the tenants file is re-read
                                 (default 10)
   --drain-timeout=SECONDS       on SIGTERM, how long in-flight calls may
                                 finish, notice included (default 20)

@@ -8,6 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/echo.h"
+#include "grpc/grpc_security_constants.h"
 #include "proto/convert.h"
 #include "store/lease_claim.h"
 
@@ -151,21 +153,88 @@ const char* GrpcCodeName(grpc::StatusCode code) {
 
 KvCacheServiceImpl::KvCacheServiceImpl(store::Store* store, Metrics* metrics,
                                        ThreadPool* workers,
-                                       ucx::DataPlane* data_plane)
+                                       ucx::DataPlane* data_plane,
+                                       const Tenants* tenants)
     : store_(store),
       metrics_(metrics),
       workers_(workers),
-      data_plane_(data_plane) {}
+      data_plane_(data_plane),
+      tenants_(tenants) {}
+
+const char* KvCacheServiceImpl::DefaultTenantLabel() const {
+  return tenants_ == nullptr ? "open" : "unauthenticated";
+}
+
+absl::StatusOr<KvCacheServiceImpl::Caller> KvCacheServiceImpl::Authorize(
+    grpc::CallbackServerContext* ctx, std::string* label, Role role,
+    const std::string* ns) const {
+  if (tenants_ == nullptr) return Caller{};
+  std::string authorization;
+  const auto& metadata = ctx->client_metadata();
+  if (auto it = metadata.find("authorization"); it != metadata.end()) {
+    authorization.assign(it->second.data(), it->second.size());
+  }
+  // The identities of a verified client certificate (mTLS): its URI and
+  // DNS subject alternative names.
+  std::vector<std::string> peers;
+  std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context();
+  if (auth != nullptr && auth->IsPeerAuthenticated()) {
+    for (const char* property :
+         {GRPC_PEER_URI_PROPERTY_NAME, GRPC_PEER_SPIFFE_ID_PROPERTY_NAME,
+          GRPC_PEER_DNS_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME}) {
+      for (const grpc::string_ref& value : auth->FindPropertyValues(property)) {
+        peers.emplace_back(value.data(), value.size());
+      }
+    }
+  }
+  absl::StatusOr<std::shared_ptr<const Tenant>> tenant =
+      tenants_->Authenticate(authorization, peers);
+  if (!tenant.ok()) return tenant.status();
+  const Tenant& t = **tenant;
+  *label = t.name;
+  if (t.role < role) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("tenant '", t.name, "' has role ", RoleName(t.role),
+                     "; this call needs ", RoleName(role)));
+  }
+  if (ns != nullptr && !t.Owns(*ns)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "namespace '", EchoForError(*ns), "' is not tenant '", t.name, "''s"));
+  }
+  return Caller{*std::move(tenant)};
+}
+
+absl::StatusOr<KvCacheServiceImpl::Caller> KvCacheServiceImpl::AuthorizeLease(
+    grpc::CallbackServerContext* ctx, std::string* label, Role role,
+    uint64_t lease_id, bool read) const {
+  absl::StatusOr<Caller> caller = Authorize(ctx, label, role, nullptr);
+  if (!caller.ok() || tenants_ == nullptr) return caller;
+  if (absl::Status s =
+          store_->CheckLeaseHolder(lease_id, read, caller->holder());
+      !s.ok()) {
+    return s;
+  }
+  return caller;
+}
+
+uint16_t KvCacheServiceImpl::OwnerFor(const Caller& caller,
+                                      const std::string& ns) const {
+  if (caller.tenant == nullptr) return 0;
+  if (!caller.tenant->admin()) return caller.tenant->id;
+  std::shared_ptr<const Tenant> owner = tenants_->PrefixOwner(ns);
+  return owner != nullptr ? owner->id : caller.tenant->id;
+}
 
 void KvCacheServiceImpl::Finish(grpc::CallbackServerContext* ctx,
                                 grpc::ServerUnaryReactor* reactor,
                                 const char* op, absl::Time start,
+                                absl::string_view tenant,
                                 const absl::Status& status) {
   if (status.code() == absl::StatusCode::kResourceExhausted) {
     ctx->AddTrailingMetadata(kRetryAfterKey, kRetryAfterMs);
   }
   grpc::Status grpc_status = ToGrpcStatus(status);
-  metrics_->RecordRequest(op, GrpcCodeName(grpc_status.error_code()),
+  metrics_->RecordRequest(op, GrpcCodeName(grpc_status.error_code()), tenant,
                           absl::ToDoubleSeconds(absl::Now() - start));
   reactor->Finish(grpc_status);
 }
@@ -177,12 +246,13 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Run(
   absl::Time start = absl::Now();
   auto work = [this, ctx, op, reactor, start, fn = std::forward<Fn>(fn)]() {
     absl::Status status;
+    std::string tenant = DefaultTenantLabel();
     if (ctx->IsCancelled()) {
       status = absl::CancelledError("call cancelled before it ran");
     } else {
-      status = fn();
+      status = fn(&tenant);
     }
-    Finish(ctx, reactor, op, start, status);
+    Finish(ctx, reactor, op, start, tenant, status);
   };
   if (offload) {
     workers_->Schedule(std::move(work));
@@ -196,12 +266,25 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::RegisterNamespace(
     grpc::CallbackServerContext* ctx,
     const v1::RegisterNamespaceRequest* request,
     v1::RegisterNamespaceResponse* response) {
-  return Run(ctx, "register_namespace", false, [=]() -> absl::Status {
+  return Run(ctx, "register_namespace", false, [=](std::string* tenant) {
+    // A reader may "register" what exists with the same spec (workers do at
+    // start); creating one takes the write role.
+    absl::StatusOr<Caller> caller =
+        Authorize(ctx, tenant, Role::kRead, &request->spec().name());
+    if (!caller.ok()) return caller.status();
+    const bool create =
+        caller->tenant == nullptr || caller->tenant->role >= Role::kWrite;
     absl::StatusOr<store::NamespaceConfig> config =
         ConfigFromProto(request->spec());
     if (!config.ok()) return config.status();
+    config->owner = OwnerFor(*caller, config->name);
     absl::StatusOr<store::NamespaceInfo> info =
-        store_->RegisterNamespace(*std::move(config));
+        store_->RegisterNamespace(*std::move(config), create);
+    if (!create && info.status().code() == absl::StatusCode::kNotFound) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("tenant '", caller->tenant->name,
+                       "' has role read: it cannot register a new namespace"));
+    }
     if (!info.ok()) return info.status();
     response->set_fingerprint(info->fingerprint);
     response->set_already_registered(info->already_registered);
@@ -216,10 +299,13 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::RegisterNamespace(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::Lookup(
     grpc::CallbackServerContext* ctx, const v1::LookupRequest* request,
     v1::LookupResponse* response) {
-  return Run(ctx, "lookup", false, [=]() -> absl::Status {
-    absl::StatusOr<store::LookupResult> r =
-        store_->Lookup(request->namespace_name(), Keys(request->keys()),
-                       request->pin(), Millis(request->pin_ttl_ms()));
+  return Run(ctx, "lookup", false, [=](std::string* tenant) {
+    absl::StatusOr<Caller> caller =
+        Authorize(ctx, tenant, Role::kRead, &request->namespace_name());
+    if (!caller.ok()) return caller.status();
+    absl::StatusOr<store::LookupResult> r = store_->Lookup(
+        request->namespace_name(), Keys(request->keys()), request->pin(),
+        Millis(request->pin_ttl_ms()), caller->holder());
     if (!r.ok()) return r.status();
     response->set_prefix_blocks(r->prefix_blocks);
     response->set_lease_id(r->lease_id);
@@ -230,7 +316,10 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Lookup(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginWrite(
     grpc::CallbackServerContext* ctx, const v1::BeginWriteRequest* request,
     v1::BeginWriteResponse* response) {
-  return Run(ctx, "begin_write", false, [=]() -> absl::Status {
+  return Run(ctx, "begin_write", false, [=](std::string* tenant) {
+    absl::StatusOr<Caller> caller =
+        Authorize(ctx, tenant, Role::kWrite, &request->namespace_name());
+    if (!caller.ok()) return caller.status();
     std::vector<store::BlockRef> blocks;
     blocks.reserve(request->blocks_size());
     for (const v1::BlockRef& b : request->blocks()) {
@@ -238,7 +327,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginWrite(
     }
     absl::StatusOr<store::BeginWriteResult> r =
         store_->BeginWrite(request->namespace_name(), std::move(blocks),
-                           Millis(request->lease_ttl_ms()));
+                           Millis(request->lease_ttl_ms()), caller->holder());
     if (!r.ok()) return r.status();
     if (request->use_data_plane() && data_plane_ != nullptr) {
       // Staging for the blocks that will travel; none: no write at all (the
@@ -282,13 +371,26 @@ absl::Status KvCacheServiceImpl::CommitInline(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::CommitWrite(
     grpc::CallbackServerContext* ctx, const v1::CommitWriteRequest* request,
     v1::CommitWriteResponse* response) {
+  // Checked before the data plane sees the id: another tenant's id must not
+  // end (or wait on) a session.
+  std::string label = DefaultTenantLabel();
+  if (absl::StatusOr<Caller> caller = AuthorizeLease(
+          ctx, &label, Role::kWrite, request->write_id(), /*read=*/false);
+      !caller.ok()) {
+    return Run(ctx, "commit_write", false,
+               [status = caller.status(), label](std::string* tenant) {
+                 *tenant = label;
+                 return status;
+               });
+  }
   if (data_plane_ != nullptr && request->payloads_size() == 0) {
     // The bytes came (or are coming) over the data plane: the commit runs
     // once they have all landed, bounded by this call's deadline.
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
     absl::Time start = absl::Now();
-    auto finish = [this, ctx, reactor, start](const absl::Status& status) {
-      Finish(ctx, reactor, "commit_write", start, status);
+    auto finish = [this, ctx, reactor, start,
+                   label](const absl::Status& status) {
+      Finish(ctx, reactor, "commit_write", start, label, status);
     };
     bool handled = data_plane_->Commit(
         request->write_id(), absl::FromChrono(ctx->deadline()),
@@ -313,14 +415,19 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::CommitWrite(
     // to the table for the inline commit to claim.
     data_plane_->TakeWrite(request->write_id()).Release();
   }
-  return Run(ctx, "commit_write", true,
-             [=]() -> absl::Status { return CommitInline(request, response); });
+  return Run(ctx, "commit_write", true, [=](std::string* tenant) {
+    *tenant = label;
+    return CommitInline(request, response);
+  });
 }
 
 grpc::ServerUnaryReactor* KvCacheServiceImpl::AbortWrite(
     grpc::CallbackServerContext* ctx, const v1::AbortWriteRequest* request,
     v1::AbortWriteResponse* response) {
-  return Run(ctx, "abort_write", false, [=]() -> absl::Status {
+  return Run(ctx, "abort_write", false, [=](std::string* tenant) {
+    absl::StatusOr<Caller> caller = AuthorizeLease(
+        ctx, tenant, Role::kWrite, request->write_id(), /*read=*/false);
+    if (!caller.ok()) return caller.status();
     store::WriteClaim claim =
         data_plane_ != nullptr ? data_plane_->TakeWrite(request->write_id())
                                : store::WriteClaim(store_, request->write_id());
@@ -330,7 +437,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::AbortWrite(
 
 absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
     const v1::BeginReadRequest* request, store::ReadFormat format,
-    v1::BeginReadResponse* response) {
+    uint32_t holder, v1::BeginReadResponse* response) {
   // Staging for the verified copies the store hands over, reserved before
   // they exist: a raw block is at most its fp16 size (KIVI's residual
   // window keeps some blocks fp16).
@@ -343,6 +450,7 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
       data_plane_->ReserveStaging(per_block * request->keys_size());
   if (!reservation.ok()) return reservation.status();
   store::ReadOptions options = ReadOptionsFromProto(*request, format);
+  options.holder = holder;
   options.keep_lease = true;
   options.in_place = true;
   absl::StatusOr<store::ReadResult> r = store_->BeginRead(
@@ -385,16 +493,20 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
     grpc::CallbackServerContext* ctx, const v1::BeginReadRequest* request,
     v1::BeginReadResponse* response) {
-  return Run(ctx, "begin_read", true, [=]() -> absl::Status {
+  return Run(ctx, "begin_read", true, [=](std::string* tenant) {
+    absl::StatusOr<Caller> caller =
+        Authorize(ctx, tenant, Role::kRead, &request->namespace_name());
+    if (!caller.ok()) return caller.status();
     absl::StatusOr<store::ReadFormat> format = ReadFormatFromProto(*request);
     if (!format.ok()) return format.status();
     // Without a data plane a node answers inline whatever was asked.
     if (!request->inline_data() && data_plane_ != nullptr) {
-      return BeginDataPlaneRead(request, *format, response);
+      return BeginDataPlaneRead(request, *format, caller->holder(), response);
     }
-    absl::StatusOr<store::ReadResult> r =
-        store_->BeginRead(request->namespace_name(), Keys(request->keys()),
-                          ReadOptionsFromProto(*request, *format));
+    store::ReadOptions options = ReadOptionsFromProto(*request, *format);
+    options.holder = caller->holder();
+    absl::StatusOr<store::ReadResult> r = store_->BeginRead(
+        request->namespace_name(), Keys(request->keys()), options);
     if (!r.ok()) return r.status();
     DescribeRead(*r, response);
     uint64_t bytes = 0;
@@ -416,7 +528,10 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::EndRead(
     grpc::CallbackServerContext* ctx, const v1::EndReadRequest* request,
     v1::EndReadResponse* response) {
-  return Run(ctx, "end_read", false, [=]() -> absl::Status {
+  return Run(ctx, "end_read", false, [=](std::string* tenant) {
+    absl::StatusOr<Caller> caller = AuthorizeLease(
+        ctx, tenant, Role::kRead, request->lease_id(), /*read=*/true);
+    if (!caller.ok()) return caller.status();
     std::optional<store::ReadClaim> claim =
         data_plane_ != nullptr ? data_plane_->EndRead(request->lease_id())
                                : store::ReadClaim(store_, request->lease_id());
@@ -430,7 +545,10 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::EndRead(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::Delete(
     grpc::CallbackServerContext* ctx, const v1::DeleteRequest* request,
     v1::DeleteResponse* response) {
-  return Run(ctx, "delete", false, [=]() -> absl::Status {
+  return Run(ctx, "delete", false, [=](std::string* tenant) {
+    absl::StatusOr<Caller> caller =
+        Authorize(ctx, tenant, Role::kWrite, &request->namespace_name());
+    if (!caller.ok()) return caller.status();
     absl::StatusOr<uint32_t> n =
         store_->Delete(request->namespace_name(), Keys(request->keys()));
     if (!n.ok()) return n.status();
@@ -442,43 +560,78 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Delete(
 grpc::ServerUnaryReactor* KvCacheServiceImpl::Stats(
     grpc::CallbackServerContext* ctx, const v1::StatsRequest* request,
     v1::StatsResponse* response) {
-  return Run(ctx, "stats", false, [=]() -> absl::Status {
-    store::StoreStats s = store_->Stats();
-    response->set_capacity_bytes(s.capacity_bytes);
-    response->set_used_bytes(s.used_bytes);
-    response->set_reserved_bytes(s.reserved_bytes);
-    response->set_pinned_bytes(s.pinned_bytes);
-    response->set_fragmentation_bytes(s.fragmentation_bytes);
-    response->set_page_size(s.page_size);
-    for (size_t c = 0; c < s.codecs.size(); ++c) {
-      v1::CodecCapacity* cc = response->add_codecs();
-      cc->set_codec(proto::CodecToProto(static_cast<Codec>(c)));
-      cc->set_blocks(s.codecs[c].blocks);
-      cc->set_tokens(s.codecs[c].tokens);
-      cc->set_stored_bytes(s.codecs[c].stored_bytes);
-      cc->set_logical_bytes(s.codecs[c].logical_bytes);
+  return Run(ctx, "stats", false, [=](std::string* tenant) {
+    absl::StatusOr<Caller> caller =
+        Authorize(ctx, tenant, Role::kRead, nullptr);
+    if (!caller.ok()) return caller.status();
+    FillStats(*caller, response);
+    return absl::OkStatus();
+  });
+}
+
+void KvCacheServiceImpl::FillStats(const Caller& caller,
+                                   v1::StatsResponse* response) const {
+  store::StoreStats s = store_->Stats();
+  response->set_capacity_bytes(s.capacity_bytes);
+  response->set_used_bytes(s.used_bytes);
+  response->set_reserved_bytes(s.reserved_bytes);
+  response->set_pinned_bytes(s.pinned_bytes);
+  response->set_fragmentation_bytes(s.fragmentation_bytes);
+  response->set_page_size(s.page_size);
+  for (size_t c = 0; c < s.codecs.size(); ++c) {
+    v1::CodecCapacity* cc = response->add_codecs();
+    cc->set_codec(proto::CodecToProto(static_cast<Codec>(c)));
+    cc->set_blocks(s.codecs[c].blocks);
+    cc->set_tokens(s.codecs[c].tokens);
+    cc->set_stored_bytes(s.codecs[c].stored_bytes);
+    cc->set_logical_bytes(s.codecs[c].logical_bytes);
+  }
+  for (const store::NamespaceStats& ns : s.namespaces) {
+    if (!caller.Owns(ns.name)) continue;  // another tenant's
+    v1::NamespaceCapacity* nc = response->add_namespaces();
+    nc->set_name(ns.name);
+    nc->set_codec(proto::CodecToProto(ns.codec));
+    nc->set_blocks(ns.blocks);
+    nc->set_tokens(ns.tokens);
+    nc->set_stored_bytes(ns.stored_bytes);
+    nc->set_logical_bytes(ns.logical_bytes);
+    nc->set_residual_blocks(ns.residual_blocks);
+    for (size_t c = 0; c < ns.tokens_that_fit.size(); ++c) {
+      (*nc->mutable_tokens_that_fit())[std::string(
+          kernels::CodecName(static_cast<Codec>(c)))] = ns.tokens_that_fit[c];
     }
-    for (const store::NamespaceStats& ns : s.namespaces) {
-      v1::NamespaceCapacity* nc = response->add_namespaces();
-      nc->set_name(ns.name);
-      nc->set_codec(proto::CodecToProto(ns.codec));
-      nc->set_blocks(ns.blocks);
-      nc->set_tokens(ns.tokens);
-      nc->set_stored_bytes(ns.stored_bytes);
-      nc->set_logical_bytes(ns.logical_bytes);
-      nc->set_residual_blocks(ns.residual_blocks);
-      for (size_t c = 0; c < ns.tokens_that_fit.size(); ++c) {
-        (*nc->mutable_tokens_that_fit())[std::string(
-            kernels::CodecName(static_cast<Codec>(c)))] = ns.tokens_that_fit[c];
-      }
-    }
-    response->set_evictions(s.evictions_capacity + s.evictions_watermark);
-    response->set_data_loss_events(s.data_loss_events);
-    response->set_lookup_hits(s.lookup_hits);
-    response->set_lookup_misses(s.lookup_misses);
-    response->set_active_read_leases(s.active_read_leases);
-    response->set_active_write_leases(s.active_write_leases);
-    response->set_memory_tier("host");
+  }
+  response->set_evictions(s.evictions_capacity + s.evictions_watermark);
+  response->set_data_loss_events(s.data_loss_events);
+  response->set_lookup_hits(s.lookup_hits);
+  response->set_lookup_misses(s.lookup_misses);
+  response->set_active_read_leases(s.active_read_leases);
+  response->set_active_write_leases(s.active_write_leases);
+  response->set_memory_tier("host");
+  if (caller.tenant != nullptr) {
+    const Tenant& t = *caller.tenant;
+    store::OwnerUsage usage = store_->Usage(t.id);
+    v1::TenantUsage* out = response->mutable_tenant();
+    out->set_name(t.name);
+    out->set_pool_bytes_used(usage.pool_bytes);
+    out->set_pool_bytes_quota(t.pool_bytes);
+    out->set_namespaces(usage.namespaces);
+    out->set_max_namespaces(t.max_namespaces);
+  }
+}
+
+grpc::ServerUnaryReactor* KvCacheServiceImpl::DropNamespace(
+    grpc::CallbackServerContext* ctx, const v1::DropNamespaceRequest* request,
+    v1::DropNamespaceResponse* response) {
+  return Run(ctx, "drop_namespace", false, [=](std::string* tenant) {
+    absl::StatusOr<Caller> caller =
+        Authorize(ctx, tenant, Role::kWrite, &request->namespace_name());
+    if (!caller.ok()) return caller.status();
+    absl::StatusOr<store::DropResult> r =
+        store_->DropNamespace(request->namespace_name());
+    if (!r.ok()) return r.status();
+    response->set_blocks_dropped(r->blocks);
+    response->set_freed_bytes(r->freed_bytes);
     return absl::OkStatus();
   });
 }

@@ -2,12 +2,20 @@
 // It translates messages to store calls and back, and is the one place where
 // absl::Status becomes grpc::Status. Encode/decode-heavy calls run on the
 // worker pool so that gRPC's callback threads never wait on them.
+//
+// With tenants (service/tenants.h) every call is authenticated and
+// authorized before it touches the store or the data plane: the caller's
+// tenant needs the call's role and must own the namespace it names; the
+// leases it makes carry its id as their holder, and a call naming a lease
+// id of another holder answers as for an unknown id (FAILED_PRECONDITION).
+// Without tenants the node is open: every caller may do everything.
 #ifndef KVCACHE_SERVICE_KVCACHE_SERVICE_H_
 #define KVCACHE_SERVICE_KVCACHE_SERVICE_H_
 
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "service/metrics.h"
+#include "service/tenants.h"
 #include "service/thread_pool.h"
 #include "service/ucx/data_plane.h"
 #include "store/store.h"
@@ -22,9 +30,11 @@ const char* GrpcCodeName(grpc::StatusCode code);
 class KvCacheServiceImpl final : public kvcache::v1::KvCache::CallbackService {
  public:
   // data_plane: the node's UCX data plane, or null when it runs none (then
-  // every byte travels inline in gRPC messages).
+  // every byte travels inline in gRPC messages). tenants: null runs open.
+  // Each must outlive the service.
   KvCacheServiceImpl(store::Store* store, Metrics* metrics, ThreadPool* workers,
-                     ucx::DataPlane* data_plane = nullptr);
+                     ucx::DataPlane* data_plane = nullptr,
+                     const Tenants* tenants = nullptr);
 
   grpc::ServerUnaryReactor* RegisterNamespace(
       grpc::CallbackServerContext* ctx,
@@ -54,27 +64,60 @@ class KvCacheServiceImpl final : public kvcache::v1::KvCache::CallbackService {
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx,
                                   const v1::StatsRequest* request,
                                   v1::StatsResponse* response) override;
+  grpc::ServerUnaryReactor* DropNamespace(
+      grpc::CallbackServerContext* ctx, const v1::DropNamespaceRequest* request,
+      v1::DropNamespaceResponse* response) override;
 
  private:
+  // Who a call comes from: a tenant, or no one on an open node.
+  struct Caller {
+    std::shared_ptr<const Tenant> tenant;  // null: open
+    uint32_t holder() const { return tenant ? tenant->id : 0; }
+    bool Owns(absl::string_view ns) const {
+      return tenant == nullptr || tenant->Owns(ns);
+    }
+  };
+  // Authenticates the call and checks that its tenant has `role` and owns
+  // namespace `ns` (when not null). UNAUTHENTICATED / PERMISSION_DENIED.
+  // Sets *label to the tenant's name once it is known.
+  absl::StatusOr<Caller> Authorize(grpc::CallbackServerContext* ctx,
+                                   std::string* label, Role role,
+                                   const std::string* ns) const;
+  // Authorize, and that lease `lease_id` (a read lease when `read`) is the
+  // caller's (FAILED_PRECONDITION as for an unknown id).
+  absl::StatusOr<Caller> AuthorizeLease(grpc::CallbackServerContext* ctx,
+                                        std::string* label, Role role,
+                                        uint64_t lease_id, bool read) const;
+  // The store owner of a namespace `caller` registers: its own id, or for
+  // an admin the write tenant whose prefix it matches (else the admin's).
+  uint16_t OwnerFor(const Caller& caller, const std::string& ns) const;
+  void FillStats(const Caller& caller, v1::StatsResponse* response) const;
   template <typename Fn>
   grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx,
                                 const char* op, bool offload, Fn&& fn);
+  // Runs fn(&tenant) (inline or on the worker pool), then Finish. fn sets
+  // `tenant`, the metrics label, once it knows the caller (Authorize does).
   // Ends a call: retry hint, metrics, reactor->Finish.
   void Finish(grpc::CallbackServerContext* ctx,
               grpc::ServerUnaryReactor* reactor, const char* op,
-              absl::Time start, const absl::Status& status);
+              absl::Time start, absl::string_view tenant,
+              const absl::Status& status);
+  // The metrics label of a call whose tenant is not known: "open" without
+  // tenants, else "unauthenticated".
+  const char* DefaultTenantLabel() const;
   absl::Status CommitInline(const v1::CommitWriteRequest* request,
                             v1::CommitWriteResponse* response);
   // BeginRead over the data plane: pins, stages the copies, answers with
   // lengths, layer offsets, the address and a token; no bytes.
   absl::Status BeginDataPlaneRead(const v1::BeginReadRequest* request,
-                                  store::ReadFormat format,
+                                  store::ReadFormat format, uint32_t holder,
                                   v1::BeginReadResponse* response);
 
   store::Store* store_;
   Metrics* metrics_;
   ThreadPool* workers_;
   ucx::DataPlane* data_plane_;
+  const Tenants* tenants_;
 };
 
 }  // namespace kvcache::service

@@ -252,7 +252,9 @@ Metrics::Metrics(const store::Store* store)
   data_plane_collector_ = std::make_shared<DataPlaneCollector>();
   requests_ = &prometheus::BuildCounter()
                    .Name("kvcache_requests_total")
-                   .Help("Control-plane requests by operation and gRPC code.")
+                   .Help(
+                       "Control-plane requests by operation, gRPC code and "
+                       "tenant.")
                    .Register(*registry_);
   request_duration_ = &prometheus::BuildHistogram()
                            .Name("kvcache_request_duration_seconds")
@@ -279,11 +281,14 @@ Metrics::Metrics(const store::Store* store)
 }
 
 void Metrics::RecordRequest(absl::string_view op, absl::string_view code,
-                            double seconds) {
+                            absl::string_view tenant, double seconds) {
   static const prometheus::Histogram::BucketBoundaries kBuckets = {
       0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
       0.025,  0.05,    0.1,    0.25,  0.5,    1,     2.5};
-  requests_->Add({{"op", std::string(op)}, {"code", std::string(code)}})
+  requests_
+      ->Add({{"op", std::string(op)},
+             {"code", std::string(code)},
+             {"tenant", std::string(tenant)}})
       .Increment();
   request_duration_->Add({{"op", std::string(op)}}, kBuckets).Observe(seconds);
 }

@@ -27,8 +27,10 @@ class Metrics {
  public:
   explicit Metrics(const store::Store* store);
 
+  // `tenant`: a name from the tenants file, "unauthenticated" or "open"
+  // (a closed set: never a value a caller chooses).
   void RecordRequest(absl::string_view op, absl::string_view code,
-                     double seconds);
+                     absl::string_view tenant, double seconds);
   void RecordQuantize(kernels::Codec codec, double seconds);
   void RecordTransfer(absl::string_view direction, absl::string_view transport,
                       uint64_t bytes);

@@ -27,6 +27,13 @@ absl::Status Node::Start() {
       store::Store::Create(options_.store, *std::move(arena));
   if (!store.ok()) return store.status();
   store_ = *std::move(store);
+  if (!options_.tenants_file.empty()) {
+    absl::StatusOr<std::unique_ptr<Tenants>> tenants =
+        Tenants::Load(options_.tenants_file, store_.get());
+    if (!tenants.ok()) return tenants.status();
+    tenants_ = *std::move(tenants);
+    next_tenants_check_ = absl::Now() + options_.tenants_refresh;
+  }
   metrics_ = std::make_unique<Metrics>(store_.get());
   store_->SetQuantizeObserver(
       [metrics = metrics_.get()](kernels::Codec codec, double seconds) {
@@ -40,7 +47,8 @@ absl::Status Node::Start() {
     if (absl::Status s = StartDataPlane(); !s.ok()) return s;
   }
   service_ = std::make_unique<KvCacheServiceImpl>(
-      store_.get(), metrics_.get(), workers_.get(), data_plane_.get());
+      store_.get(), metrics_.get(), workers_.get(), data_plane_.get(),
+      tenants_.get());
 
   if (!options_.metrics_listen.empty()) {
     absl::StatusOr<int> port = metrics_->Serve(options_.metrics_listen);
@@ -129,10 +137,17 @@ absl::Status Node::StartServers() {
 }
 
 void Node::LogStarted(absl::string_view arena_description) const {
-  if (!options_.tls.enabled()) {
+  if (tenants_ == nullptr) {
     LogInfo(
-        "warning: the control plane is plaintext (no --tls-cert): "
-        "anyone who reaches the port can use the node");
+        "warning: running open (no --tenants): every caller may read, "
+        "write and delete every namespace");
+  }
+  if (!options_.tls.enabled()) {
+    LogInfo(tenants_ == nullptr
+                ? "warning: the control plane is plaintext (no --tls-cert): "
+                  "anyone who reaches the port can use the node"
+                : "warning: the control plane is plaintext (no --tls-cert): "
+                  "bearer tokens cross the network readable");
   }
   std::string plane;
   if (data_plane_ != nullptr) {
@@ -161,7 +176,12 @@ void Node::LogStarted(absl::string_view arena_description) const {
                    : std::string(),
       metrics_port_ ? absl::StrCat(", metrics on port ", metrics_port_)
                     : std::string(),
-      plane, "; ", arena_description, ", page size ", options_.store.page_size,
+      plane,
+      tenants_ != nullptr
+          ? absl::StrCat(", ", tenants_->Names().size(), " tenants from ",
+                         options_.tenants_file)
+          : std::string(),
+      "; ", arena_description, ", page size ", options_.store.page_size,
       ", default codec ", kernels::CodecName(options_.store.default_codec)));
 }
 
@@ -170,9 +190,32 @@ void Node::ReaperLoop() {
       !stop_reaper_.WaitForNotificationWithTimeout(options_.reaper_interval)) {
     // Lease expiry, watermark eviction, KIVI residual re-encodes.
     store_->RunMaintenance(absl::Now());
+    RefreshTenants(absl::Now());
     // Data-plane sessions end with their leases; commit waits with their
     // calls' deadlines.
     if (data_plane_ != nullptr) data_plane_->Expire(absl::Now());
+  }
+}
+
+void Node::RefreshTenants(absl::Time now) {
+  if (tenants_ == nullptr || now < next_tenants_check_) return;
+  next_tenants_check_ = now + options_.tenants_refresh;
+  absl::StatusOr<bool> reloaded = tenants_->Reload();
+  if (!reloaded.ok()) {
+    std::string error(reloaded.status().message());
+    if (error != last_tenants_error_) {
+      LogInfo(
+          absl::StrCat("warning: tenants not reloaded, the last good "
+                       "file keeps serving: ",
+                       error));
+      last_tenants_error_ = std::move(error);
+    }
+    return;
+  }
+  last_tenants_error_.clear();
+  if (*reloaded) {
+    LogInfo(absl::StrCat("tenants reloaded from ", options_.tenants_file, ": ",
+                         tenants_->Names().size(), " tenants"));
   }
 }
 

@@ -13,6 +13,9 @@
 // starts before the gRPC server; Drain refuses new data-plane sessions,
 // ends commit waits by the drain deadline and stops the data plane after
 // the gRPC server and before the worker pool.
+// With a tenants file (service/tenants.h) every control-plane call is
+// authenticated; the reaper re-reads the file every tenants_refresh. Without
+// one the node runs open and says so in one warning line at start.
 #ifndef KVCACHE_SERVICE_NODE_H_
 #define KVCACHE_SERVICE_NODE_H_
 
@@ -26,6 +29,7 @@
 #include "absl/time/time.h"
 #include "base/mutex.h"
 #include "base/notification.h"
+#include "service/tenants.h"
 #include "service/tls.h"
 #include "service/ucx/data_plane.h"
 #include "store/arena.h"
@@ -53,6 +57,9 @@ struct NodeOptions {
   // TLS (mTLS with a client CA) on `listen`; the health port stays
   // plaintext and serves only grpc.health.v1.
   TlsOptions tls;
+  // The tenants file (--tenants; empty: open) and how often it is re-read.
+  std::string tenants_file;
+  absl::Duration tenants_refresh = absl::Seconds(10);
   int max_request_bytes = 256 << 20;
   absl::Duration drain_timeout = absl::Seconds(20);
   absl::Duration reaper_interval = absl::Milliseconds(200);
@@ -84,6 +91,8 @@ class Node {
   // Null without --data-plane=ucx, and after Drain.
   ucx::DataPlane* data_plane() { return data_plane_.get(); }
   Metrics* metrics() { return metrics_.get(); }
+  // Null when the node runs open.
+  const Tenants* tenants() const { return tenants_.get(); }
 
  private:
   // Start's steps: the UCX data plane (before the gRPC server, which hands
@@ -92,9 +101,15 @@ class Node {
   absl::Status StartServers();
   void LogStarted(absl::string_view arena_description) const;
   void ReaperLoop();
+  // Re-reads the tenants file when due; logs a reload, and each new error
+  // once (the last good set keeps serving).
+  void RefreshTenants(absl::Time now);
 
   NodeOptions options_;
   std::unique_ptr<store::Store> store_;
+  std::unique_ptr<Tenants> tenants_;
+  absl::Time next_tenants_check_;   // reaper thread only
+  std::string last_tenants_error_;  // reaper thread only
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ThreadPool> workers_;
   std::unique_ptr<ucx::DataPlane> data_plane_;

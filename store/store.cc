@@ -46,6 +46,11 @@ static_assert(kNumShards == 16, "kShardShift assumes 16 shards");
 struct Store::Namespace {
   uint16_t id = 0;
   NamespaceInfo info;
+  // Set once, under ns_mu_, by DropNamespace; a dropped namespace is not
+  // found by name and takes no new blocks.
+  std::atomic<bool> dropped{false};
+  // NamespaceRefs alive; the slot of a dropped namespace is reused at 0.
+  std::atomic<int64_t> refs{0};
   kernels::CodecPolicy residual_policy;  // codec none: KIVI's fp16 window
   uint32_t window_blocks = 0;            // 0: no residual window
   uint32_t pages_per_block = 0;          // encoded with the namespace codec
@@ -55,6 +60,49 @@ struct Store::Namespace {
   std::atomic<uint64_t> stored_pages{0};
 
   Codec codec() const { return info.config.policy.codec; }
+  uint16_t owner() const { return info.config.owner; }
+};
+
+// A counted reference to a namespace. Taking the first one requires
+// ns_mu_ (FindNamespace, RefById); copying requires only the one copied.
+class Store::NamespaceRef {
+ public:
+  NamespaceRef() = default;
+  explicit NamespaceRef(Namespace* ns) : ns_(ns) { Acquire(); }
+  NamespaceRef(const NamespaceRef& other) : ns_(other.ns_) { Acquire(); }
+  NamespaceRef(NamespaceRef&& other) noexcept : ns_(other.ns_) {
+    other.ns_ = nullptr;
+  }
+  NamespaceRef& operator=(NamespaceRef other) noexcept {
+    std::swap(ns_, other.ns_);
+    return *this;
+  }
+  ~NamespaceRef() {
+    if (ns_ != nullptr) ns_->refs.fetch_sub(1, std::memory_order_acq_rel);
+  }
+  Namespace* get() const { return ns_; }
+  Namespace* operator->() const { return ns_; }
+  explicit operator bool() const { return ns_ != nullptr; }
+
+ private:
+  void Acquire() {
+    if (ns_ != nullptr) ns_->refs.fetch_add(1, std::memory_order_relaxed);
+  }
+  Namespace* ns_ = nullptr;
+};
+
+// One owner's pages and limits (see "Owners" in store.h).
+struct Store::OwnerAccount {
+  std::atomic<uint64_t> used_pages{0};      // held by its stored blocks
+  std::atomic<uint64_t> reserved_pages{0};  // reserved by its open writes
+  std::atomic<uint64_t> share_pages{0};     // 0: no share
+  std::atomic<uint32_t> max_namespaces{0};  // 0: no limit
+
+  uint64_t pages() const { return used_pages + reserved_pages; }
+  bool over_share() const {
+    const uint64_t share = share_pages;
+    return share > 0 && pages() > share;
+  }
 };
 
 // One index record (88 bytes). Lives in its shard's slab; the slot of a
@@ -72,6 +120,7 @@ struct Store::Entry {
   uint16_t ns_id = 0;
   uint8_t shard = 0;
   uint8_t flags = 0;
+  uint16_t owner = 0;  // its namespace's (fills what was padding)
   absl::InlinedVector<char, 16> key;
 
   bool is(EntryFlags f) const { return (flags & f) != 0; }
@@ -108,10 +157,13 @@ struct Store::Shard {
     }
   };
 
+  using Lru = absl::btree_set<std::pair<uint64_t, Entry*>>;
+
   Mutex mu;
   absl::flat_hash_set<Entry*, Hash, Eq> index ABSL_GUARDED_BY(mu);
-  // Evictable entries by (lru_tick, entry); lru_tick may lag last_access.
-  absl::btree_set<std::pair<uint64_t, Entry*>> lru ABSL_GUARDED_BY(mu);
+  // Per owner, evictable entries by (lru_tick, entry); lru_tick may lag
+  // last_access.
+  std::array<Lru, kMaxOwners> lru ABSL_GUARDED_BY(mu);
   std::atomic<uint64_t> evictable_pages{0};
   std::vector<std::unique_ptr<Entry[]>> slab ABSL_GUARDED_BY(mu);
   Entry* free_entries ABSL_GUARDED_BY(mu) = nullptr;
@@ -135,6 +187,7 @@ struct Store::Shard {
     e->ns_id = 0;
     e->shard = id;
     e->flags = 0;
+    e->owner = 0;
     e->key.clear();
     return e;
   }
@@ -146,8 +199,9 @@ struct Store::Shard {
     e->parent = free_entries;
     free_entries = e;
   }
-  // Re-files stale heads until the head's tick is its true last access.
-  void NormalizeLru() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  // Re-files stale heads of `lru` (one of this shard's) until the head's
+  // tick is its true last access.
+  void NormalizeLru(Lru& lru) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     while (!lru.empty()) {
       auto head = lru.begin();
       Entry* e = head->second;
@@ -160,14 +214,19 @@ struct Store::Shard {
 };
 
 struct Store::ReadLease {
-  uint16_t ns_id = 0;           // a BeginRead of another namespace refuses it
+  NamespaceRef ns;     // keeps the namespace's slot
+  uint16_t ns_id = 0;  // a BeginRead of another namespace refuses it
+  uint32_t holder = 0;
   std::vector<Entry*> entries;  // each holds one pin of this lease
   absl::Time deadline;
   bool held = false;  // HoldReadLease: ends only by EndLease
 };
 
 struct Store::WriteLease {
+  NamespaceRef ns;  // keeps the namespace's slot
   uint16_t ns_id = 0;
+  uint16_t owner = 0;  // its reservation counts against this owner
+  uint32_t holder = 0;
   std::vector<BlockRef> blocks;
   std::vector<bool> present;
   std::vector<PageList> pages;  // per block; count 0 if present
@@ -279,6 +338,7 @@ Store::Store(const StoreOptions& options, std::unique_ptr<Arena> arena)
       header_slab_bytes_(HeaderSlabBytes(arena_->size(), options.page_size)),
       namespaces_(std::make_unique<std::unique_ptr<Namespace>[]>(
           options.max_namespaces)),
+      owners_(std::make_unique<OwnerAccount[]>(kMaxOwners)),
       pool_(arena_.get(), header_slab_bytes_,
             arena_->size() - header_slab_bytes_, options.page_size),
       shards_(std::make_unique<Shard[]>(kNumShards)) {
@@ -316,8 +376,13 @@ Store::Shard& Store::ShardOf(const KeyRef& ref) const {
 
 // ---------------------------------------------------------------- namespaces
 
-absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config) {
+absl::StatusOr<std::unique_ptr<Store::Namespace>> Store::MakeNamespace(
+    NamespaceConfig config) const {
   if (absl::Status s = ValidateName(config.name); !s.ok()) return s;
+  if (config.owner >= kMaxOwners) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("owner ", config.owner, " is not below ", kMaxOwners));
+  }
   if (!config.codec_specified) config.policy.codec = options_.default_codec;
   if (absl::Status s = kernels::ValidatePolicy(config.shape, config.policy);
       !s.ok()) {
@@ -335,27 +400,7 @@ absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config) {
   info.encoded_block_bytes =
       kernels::EncodedBlockBytes(config.shape, config.policy);
   info.config = std::move(config);
-
-  MutexLock lock(&ns_mu_);
-  for (uint32_t i = 0; i < num_namespaces_; ++i) {
-    const Namespace& ns = *namespaces_[i];
-    if (ns.info.config.name != info.config.name) continue;
-    if (ns.info.fingerprint != info.fingerprint) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "namespace '", info.config.name,
-          "' is registered with a different model, layout or codec policy"));
-    }
-    NamespaceInfo existing = ns.info;
-    existing.already_registered = true;
-    return existing;
-  }
-  if (num_namespaces_ >= options_.max_namespaces) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the node holds its limit of ", options_.max_namespaces,
-                     " namespaces"));
-  }
   auto ns = std::make_unique<Namespace>();
-  ns->id = static_cast<uint16_t>(num_namespaces_);
   ns->info = info;
   const uint32_t tokens = info.config.shape.tokens_per_block;
   ns->window_blocks = (info.config.residual_tokens + tokens - 1) / tokens;
@@ -369,31 +414,115 @@ absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config) {
         "one block of this layout (", largest, " pages of ", pool_.page_size(),
         " bytes) is larger than the whole pool"));
   }
-  namespaces_[num_namespaces_++] = std::move(ns);
+  return ns;
+}
+
+absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(NamespaceConfig config,
+                                                       bool create) {
+  absl::StatusOr<std::unique_ptr<Namespace>> made =
+      MakeNamespace(std::move(config));
+  if (!made.ok()) return made.status();
+  std::unique_ptr<Namespace> ns = *std::move(made);
+  NamespaceInfo info = ns->info;
+
+  MutexLock lock(&ns_mu_);
+  size_t live = 0, owned = 0;
+  uint32_t free_slot = slots_used_;
+  for (uint32_t i = 0; i < slots_used_; ++i) {
+    const Namespace* other = namespaces_[i].get();
+    if (other->dropped) {
+      if (free_slot == slots_used_ && other->refs.load() == 0) free_slot = i;
+      continue;
+    }
+    ++live;
+    if (other->owner() == info.config.owner) ++owned;
+    if (other->info.config.name != info.config.name) continue;
+    if (other->info.fingerprint != info.fingerprint) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "namespace '", info.config.name,
+          "' is registered with a different model, layout or codec policy"));
+    }
+    NamespaceInfo existing = other->info;
+    existing.already_registered = true;
+    return existing;
+  }
+  if (!create) {
+    return absl::NotFoundError(
+        absl::StrCat("namespace '", info.config.name, "' is not registered"));
+  }
+  if (live >= options_.max_namespaces || free_slot >= options_.max_namespaces) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the node holds its limit of ", options_.max_namespaces,
+                     " namespaces"));
+  }
+  const uint32_t quota = owners_[info.config.owner].max_namespaces;
+  if (quota > 0 && owned >= quota) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the tenant holds its limit of ", quota, " namespaces"));
+  }
+  ns->id = static_cast<uint16_t>(free_slot);
+  info.config.owner = ns->owner();
+  // The slot is free: dropped and unreferenced, so nothing reads it.
+  namespaces_[free_slot] = std::move(ns);
+  if (free_slot == slots_used_) ++slots_used_;
+  uint32_t limit = owner_limit_.load();
+  while (limit <= info.config.owner &&
+         !owner_limit_.compare_exchange_weak(limit, info.config.owner + 1u)) {
+  }
   return info;
 }
 
 absl::StatusOr<NamespaceInfo> Store::GetNamespace(
     const std::string& name) const {
-  absl::StatusOr<Namespace*> ns = FindNamespace(name);
+  absl::StatusOr<NamespaceRef> ns = FindNamespace(name);
   if (!ns.ok()) return ns.status();
   return (*ns)->info;
 }
 
-absl::StatusOr<Store::Namespace*> Store::FindNamespace(
+absl::StatusOr<Store::NamespaceRef> Store::FindNamespace(
     const std::string& name) const {
   MutexLock lock(&ns_mu_);
-  for (uint32_t i = 0; i < num_namespaces_; ++i) {
-    if (namespaces_[i]->info.config.name == name) return namespaces_[i].get();
+  for (uint32_t i = 0; i < slots_used_; ++i) {
+    Namespace* ns = namespaces_[i].get();
+    if (!ns->dropped && ns->info.config.name == name) return NamespaceRef(ns);
   }
   return absl::NotFoundError(
       absl::StrCat("namespace '", EchoForError(name), "' is not registered"));
 }
 
+Store::NamespaceRef Store::RefById(uint16_t id) const {
+  MutexLock lock(&ns_mu_);
+  if (id >= slots_used_ || namespaces_[id]->dropped) return NamespaceRef();
+  return NamespaceRef(namespaces_[id].get());
+}
+
 Store::Namespace* Store::NamespaceById(uint16_t id) const {
-  // Slots are written once, under ns_mu_, before any block refers to them;
-  // the mutexes that handed the block to this thread order that write.
+  // The slot is not rewritten while the caller's reference or block lives
+  // (see namespaces_); the mutexes that handed those over order its write.
   return namespaces_[id].get();
+}
+
+absl::Status Store::SetOwnerQuota(uint16_t owner, const OwnerQuota& quota) {
+  if (owner >= kMaxOwners) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("owner ", owner, " is not below ", kMaxOwners));
+  }
+  const uint64_t page = options_.page_size;
+  owners_[owner].share_pages = (quota.pool_bytes + page - 1) / page;
+  owners_[owner].max_namespaces = quota.max_namespaces;
+  return absl::OkStatus();
+}
+
+OwnerUsage Store::Usage(uint16_t owner) const {
+  OwnerUsage usage;
+  if (owner >= kMaxOwners) return usage;
+  usage.pool_bytes = owners_[owner].pages() * options_.page_size;
+  MutexLock lock(&ns_mu_);
+  for (uint32_t i = 0; i < slots_used_; ++i) {
+    const Namespace& ns = *namespaces_[i];
+    if (!ns.dropped && ns.owner() == owner) ++usage.namespaces;
+  }
+  return usage;
 }
 
 // ------------------------------------------------------------ shard helpers
@@ -416,10 +545,10 @@ void Store::UpdateEvictable(Shard& shard, Entry* entry)
   if (should == entry->is(kEvictable)) return;
   if (should) {
     entry->lru_tick = entry->last_access;
-    shard.lru.insert({entry->lru_tick, entry});
+    shard.lru[entry->owner].insert({entry->lru_tick, entry});
     shard.evictable_pages += entry->pages.count;
   } else {
-    shard.lru.erase({entry->lru_tick, entry});
+    shard.lru[entry->owner].erase({entry->lru_tick, entry});
     shard.evictable_pages -= entry->pages.count;
   }
   entry->set(kEvictable, should);
@@ -448,6 +577,7 @@ void Store::AccountAdd(const Entry& entry, int sign) {
   add(cs.stored_bytes, uint64_t{entry.pages.count} * options_.page_size);
   add(cs.logical_bytes, ns->info.fp16_block_bytes);
   add(used_pages_, entry.pages.count);
+  add(owners_[entry.owner].used_pages, entry.pages.count);
   add(used_payload_bytes_,
       residual ? ns->info.fp16_block_bytes : ns->info.encoded_block_bytes);
   add(ns->blocks, 1);
@@ -465,7 +595,7 @@ void Store::MaybeFree(Shard& shard, Entry* entry)
 Store::Entry* Store::RemoveEntry(Shard& shard, Entry* entry)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
   if (entry->is(kEvictable)) {
-    shard.lru.erase({entry->lru_tick, entry});
+    shard.lru[entry->owner].erase({entry->lru_tick, entry});
     shard.evictable_pages -= entry->pages.count;
     entry->set(kEvictable, false);
   }
@@ -523,17 +653,34 @@ void Store::ReleasePages(const PageList& pages) {
   pool_.Release(pages);
 }
 
-bool Store::EvictOne(std::atomic<uint64_t>* counter) {
+bool Store::EvictOne(std::atomic<uint64_t>* counter, Victims victims,
+                     uint16_t owner) {
+  absl::InlinedVector<uint16_t, 8> owners;
+  const uint32_t limit = owner_limit_;
+  for (uint32_t o = 0; o < limit; ++o) {
+    const OwnerAccount& account = owners_[o];
+    const bool eligible = victims == Victims::kOwn ? o == owner
+                          : victims == Victims::kOverShare
+                              ? account.over_share()
+                              : account.share_pages == 0;
+    if (eligible) owners.push_back(static_cast<uint16_t>(o));
+  }
+  if (owners.empty()) return false;
   for (size_t attempt = 0; attempt < 2 * kNumShards; ++attempt) {
     size_t best = kNumShards;
+    uint16_t best_owner = 0;
     uint64_t best_tick = std::numeric_limits<uint64_t>::max();
     for (size_t s = 0; s < kNumShards; ++s) {
       Shard& shard = shards_[s];
       MutexLock lock(&shard.mu);
-      shard.NormalizeLru();
-      if (!shard.lru.empty() && shard.lru.begin()->first < best_tick) {
-        best_tick = shard.lru.begin()->first;
-        best = s;
+      for (uint16_t o : owners) {
+        Shard::Lru& lru = shard.lru[o];
+        shard.NormalizeLru(lru);
+        if (!lru.empty() && lru.begin()->first < best_tick) {
+          best_tick = lru.begin()->first;
+          best = s;
+          best_owner = o;
+        }
       }
     }
     if (best == kNumShards) return false;
@@ -541,9 +688,10 @@ bool Store::EvictOne(std::atomic<uint64_t>* counter) {
     {
       Shard& shard = shards_[best];
       MutexLock lock(&shard.mu);
-      shard.NormalizeLru();
-      if (shard.lru.empty()) continue;  // raced: look again
-      parent = RemoveEntry(shard, shard.lru.begin()->second);
+      Shard::Lru& lru = shard.lru[best_owner];
+      shard.NormalizeLru(lru);
+      if (lru.empty()) continue;  // raced: look again
+      parent = RemoveEntry(shard, lru.begin()->second);
     }
     UnlinkParent(parent);
     ++*counter;
@@ -552,18 +700,49 @@ bool Store::EvictOne(std::atomic<uint64_t>* counter) {
   return false;
 }
 
-bool Store::ReservePages(uint32_t count, PageList* pages) {
+bool Store::EvictFor(uint16_t owner, uint32_t count,
+                     std::atomic<uint64_t>* counter) {
+  // An owner going over its share makes room from its own blocks alone;
+  // otherwise owners over their share go first, then those without one.
+  const OwnerAccount& account = owners_[owner];
+  const uint64_t share = account.share_pages;
+  if (share > 0 && account.pages() + count > share) {
+    return EvictOne(counter, Victims::kOwn, owner);
+  }
+  return EvictOne(counter, Victims::kOverShare, owner) ||
+         EvictOne(counter, Victims::kNoShare, owner);
+}
+
+absl::Status Store::ReservePages(uint16_t owner, uint32_t count,
+                                 PageList* pages) {
   while (true) {
     uint32_t free_pages;
-    if (pool_.Allocate(count, pages, &free_pages)) return true;
+    if (pool_.Allocate(count, pages, &free_pages)) {
+      owners_[owner].reserved_pages += count;
+      return absl::OkStatus();
+    }
     // Refuse before evicting anything when even every unpinned block could
     // not make room. (Only leaves are evictable, but evicting a leaf makes
     // its parent one, so every unpinned block without pinned descendants
     // can go.)
     uint64_t used = used_pages_.load(), pinned = pinned_pages_.load();
     uint64_t unpinned = used > pinned ? used - pinned : 0;
-    if (free_pages + unpinned < count) return false;
-    if (!EvictOne(&evictions_capacity_)) return false;
+    if (free_pages + unpinned >= count &&
+        EvictFor(owner, count, &evictions_capacity_)) {
+      continue;
+    }
+    const OwnerAccount& account = owners_[owner];
+    if (account.share_pages > 0 &&
+        account.pages() + count > account.share_pages) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "pool full and this tenant is at its share (%u pages of %u "
+          "bytes): none of its blocks can be evicted to make room; end its "
+          "leases or delete its blocks",
+          account.share_pages.load(), options_.page_size));
+    }
+    return absl::ResourceExhaustedError(
+        "pool full: the rest is pinned, reserved by open leases or within "
+        "other tenants' shares; retry after leases end");
   }
 }
 
@@ -609,6 +788,7 @@ bool Store::ReleaseWriteLease(uint64_t id, bool if_idle) {
   for (const PageList& pages : lease->pages) {
     ReleasePages(pages);
     reserved_pages_ -= pages.count;
+    owners_[lease->owner].reserved_pages -= pages.count;
   }
   return true;
 }
@@ -635,8 +815,7 @@ absl::Status Store::EndLease(uint64_t lease_id) {
   {
     MutexLock lock(&lease_mu_);
     if (!read_leases_.contains(lease_id)) {
-      return absl::FailedPreconditionError(
-          "read lease is unknown or has expired");
+      return absl::FailedPreconditionError(kStaleReadLease);
     }
   }
   ReleaseReadLease(lease_id);
@@ -647,10 +826,26 @@ absl::Status Store::HoldReadLease(uint64_t lease_id) {
   MutexLock lock(&lease_mu_);
   auto it = read_leases_.find(lease_id);
   if (it == read_leases_.end()) {
-    return absl::FailedPreconditionError(
-        "read lease is unknown or has expired");
+    return absl::FailedPreconditionError(kStaleReadLease);
   }
   it->second->held = true;
+  return absl::OkStatus();
+}
+
+absl::Status Store::CheckLeaseHolder(uint64_t lease_id, bool read,
+                                     uint32_t holder) const {
+  MutexLock lock(&lease_mu_);
+  if (read) {
+    auto it = read_leases_.find(lease_id);
+    if (it == read_leases_.end() || it->second->holder != holder) {
+      return absl::FailedPreconditionError(kStaleReadLease);
+    }
+  } else {
+    auto it = write_leases_.find(lease_id);
+    if (it == write_leases_.end() || it->second->holder != holder) {
+      return absl::FailedPreconditionError(kStaleWriteLease);
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -658,12 +853,13 @@ absl::Status Store::HoldReadLease(uint64_t lease_id) {
 
 absl::StatusOr<LookupResult> Store::Lookup(const std::string& ns_name,
                                            absl::Span<const std::string> keys,
-                                           bool pin, absl::Duration ttl) {
+                                           bool pin, absl::Duration ttl,
+                                           uint32_t holder) {
   if (absl::Status s = ValidateKeys(keys, options_.max_blocks_per_request);
       !s.ok()) {
     return s;
   }
-  absl::StatusOr<Namespace*> ns = FindNamespace(ns_name);
+  absl::StatusOr<NamespaceRef> ns = FindNamespace(ns_name);
   if (!ns.ok()) return ns.status();
   std::vector<Entry*> found;
   found.reserve(keys.size());
@@ -683,7 +879,9 @@ absl::StatusOr<LookupResult> Store::Lookup(const std::string& ns_name,
   lookup_misses_ += keys.size() - found.size();
   if (pin && !found.empty()) {
     auto lease = std::make_unique<ReadLease>();
+    lease->ns = *ns;
     lease->ns_id = (*ns)->id;
+    lease->holder = holder;
     lease->deadline = LeaseDeadline(ttl);
     lease->entries = std::move(found);
     MutexLock lock(&lease_mu_);
@@ -697,7 +895,8 @@ absl::StatusOr<LookupResult> Store::Lookup(const std::string& ns_name,
 
 absl::StatusOr<BeginWriteResult> Store::BeginWrite(const std::string& ns_name,
                                                    std::vector<BlockRef> blocks,
-                                                   absl::Duration ttl) {
+                                                   absl::Duration ttl,
+                                                   uint32_t holder) {
   std::vector<std::string> keys;
   keys.reserve(blocks.size());
   for (const BlockRef& b : blocks) keys.push_back(b.key);
@@ -720,12 +919,15 @@ absl::StatusOr<BeginWriteResult> Store::BeginWrite(const std::string& ns_name,
       blocks[i].parent_key = blocks[i - 1].key;
     }
   }
-  absl::StatusOr<Namespace*> found_ns = FindNamespace(ns_name);
+  absl::StatusOr<NamespaceRef> found_ns = FindNamespace(ns_name);
   if (!found_ns.ok()) return found_ns.status();
-  Namespace* ns = *found_ns;
+  Namespace* ns = found_ns->get();
 
   auto lease = std::make_unique<WriteLease>();
+  lease->ns = *found_ns;
   lease->ns_id = ns->id;
+  lease->owner = ns->owner();
+  lease->holder = holder;
   lease->present.resize(blocks.size());
   lease->pages.resize(blocks.size());
   lease->staged.resize(blocks.size(), 0);
@@ -755,12 +957,14 @@ absl::StatusOr<BeginWriteResult> Store::BeginWrite(const std::string& ns_name,
   }
   for (size_t i = 0; i < blocks.size(); ++i) {
     if (lease->present[i]) continue;
-    if (!ReservePages(per_block, &lease->pages[i])) {
-      for (const PageList& pages : lease->pages) ReleasePages(pages);
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "pool full: %u pages needed and the rest is pinned or reserved by "
-          "open leases; retry after leases end",
-          needed));
+    if (absl::Status s = ReservePages(ns->owner(), per_block, &lease->pages[i]);
+        !s.ok()) {
+      for (const PageList& pages : lease->pages) {
+        ReleasePages(pages);
+        owners_[ns->owner()].reserved_pages -= pages.count;
+      }
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("%u pages needed: %s", needed, s.message()));
     }
   }
   reserved_pages_ += needed;
@@ -784,8 +988,7 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
     MutexLock lock(&lease_mu_);
     auto it = write_leases_.find(write_id);
     if (it == write_leases_.end()) {
-      return absl::FailedPreconditionError(
-          "write lease is unknown or has expired; begin the write again");
+      return absl::FailedPreconditionError(kStaleWriteLease);
     }
     if (it->second->committing) {
       return absl::FailedPreconditionError(
@@ -799,13 +1002,18 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
     lease->committing = true;  // the reaper leaves it alone from now on
   }
   // From here the lease and its pages are ours alone: leases being committed
-  // are never expired, and namespaces are never removed.
-  Namespace* ns = NamespaceById(lease->ns_id);
+  // are never expired nor dropped, and the lease's reference keeps the
+  // namespace.
+  Namespace* ns = lease->ns.get();
   const NamespaceInfo& info = ns->info;
   auto fail = [&](absl::Status status) {
     ReleaseWriteLease(write_id);
     return status;
   };
+  if (ns->dropped) {
+    return fail(absl::FailedPreconditionError(
+        "the write's namespace was dropped; nothing was stored"));
+  }
   std::vector<const Payload*> by_block(lease->blocks.size(), nullptr);
   for (const Payload& p : payloads) {
     if (p.index >= lease->blocks.size()) {
@@ -877,9 +1085,12 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
       KeyRef ref = MakeKeyRef(ns->id, block.key);
       Shard& shard = ShardOf(ref);
       MutexLock lock(&shard.mu);
-      if (Find(shard, ref) == nullptr) {
+      // A drop that began after this commit did scans this shard after
+      // this insert, or this check sees it.
+      if (!ns->dropped && Find(shard, ref) == nullptr) {
         Entry* entry = shard.NewEntry();
         entry->ns_id = ns->id;
+        entry->owner = ns->owner();
         entry->key.assign(block.key.begin(), block.key.end());
         entry->parent = parent;
         entry->parent_serial = parent_serial;
@@ -889,6 +1100,7 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
         entry->set(kResidual, residual);
         lease->pages[i] = {};
         reserved_pages_ -= entry->pages.count;
+        owners_[lease->owner].reserved_pages -= entry->pages.count;
         shard.index.insert(entry);
         AccountAdd(*entry, +1);
         UpdateEvictable(shard, entry);
@@ -973,8 +1185,7 @@ absl::Status Store::StageBlock(uint64_t write_id, uint32_t index,
     MutexLock lock(&lease_mu_);
     auto it = write_leases_.find(write_id);
     if (it == write_leases_.end()) {
-      return absl::FailedPreconditionError(
-          "write lease is unknown or has expired; begin the write again");
+      return absl::FailedPreconditionError(kStaleWriteLease);
     }
     lease = it->second.get();
     if (lease->committing) {
@@ -992,9 +1203,9 @@ absl::Status Store::StageBlock(uint64_t write_id, uint32_t index,
     lease->staged[index] = 1;  // claimed: a second call for it is refused
     ++lease->staging;
   }
-  // The lease cannot expire, commit or abort while `staging` > 0, and block
-  // `index`'s pages are this call's alone.
-  Namespace* ns = NamespaceById(lease->ns_id);
+  // The lease cannot expire, commit, abort or be dropped while `staging` >
+  // 0, and block `index`'s pages are this call's alone.
+  Namespace* ns = lease->ns.get();
   absl::Status status;
   if (fp16.size() != ns->info.fp16_block_bytes) {
     status = absl::InvalidArgumentError(
@@ -1020,8 +1231,7 @@ absl::Status Store::AbortWrite(uint64_t write_id) {
     MutexLock lock(&lease_mu_);
     auto it = write_leases_.find(write_id);
     if (it == write_leases_.end()) {
-      return absl::FailedPreconditionError(
-          "write lease is unknown or has expired");
+      return absl::FailedPreconditionError(kStaleWriteLease);
     }
     // ABORTED, not FAILED_PRECONDITION: the write is live and ends with the
     // call using it (or by its TTL); a caller that must know when nothing
@@ -1086,7 +1296,10 @@ void Store::DropCorrupt(Entry* entry) {
 }
 
 bool Store::Reencode(const ReencodeJob& job) {
-  Namespace* ns = NamespaceById(job.ns_id);
+  // The slot may hold another namespace by now: the serial tells.
+  NamespaceRef held = RefById(job.ns_id);
+  if (!held) return false;
+  Namespace* ns = held.get();
   KeyRef ref = MakeKeyRef(job.ns_id, job.key);
   Shard& shard = ShardOf(ref);
   Entry* entry;
@@ -1128,8 +1341,10 @@ bool Store::Reencode(const ReencodeJob& job) {
                        absl::ToDoubleSeconds(absl::Now() - start));
   }
   PageList pages;
-  if (status.ok() && !ReservePages(ns->pages_per_block, &pages)) {
-    status = absl::ResourceExhaustedError("no room to re-encode");
+  if (status.ok()) {
+    status = ReservePages(ns->owner(), ns->pages_per_block, &pages);
+    // The pages become the block's (accounted as it is) or go back.
+    if (status.ok()) owners_[ns->owner()].reserved_pages -= pages.count;
   }
   if (status.ok()) {
     BlockHeader new_header =
@@ -1272,13 +1487,14 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
       !s.ok()) {
     return s;
   }
-  absl::StatusOr<Namespace*> found_ns = FindNamespace(ns_name);
+  absl::StatusOr<NamespaceRef> found_ns = FindNamespace(ns_name);
   if (!found_ns.ok()) return found_ns.status();
-  Namespace* ns = *found_ns;
+  Namespace* ns = found_ns->get();
   if (options.pin_lease_id != 0) {
     MutexLock lock(&lease_mu_);
     auto pin = read_leases_.find(options.pin_lease_id);
-    if (pin == read_leases_.end()) {
+    // Another holder's pin answers as an unknown one.
+    if (pin == read_leases_.end() || pin->second->holder != options.holder) {
       return absl::FailedPreconditionError(
           "pin lease is unknown or has expired");
     }
@@ -1338,7 +1554,9 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
     return result;
   }
   auto lease = std::make_unique<ReadLease>();
+  lease->ns = *found_ns;
   lease->ns_id = ns->id;
+  lease->holder = options.holder;
   lease->entries = std::move(entries);
   lease->deadline = LeaseDeadline(options.ttl);
   result.deadline = lease->deadline;
@@ -1356,7 +1574,7 @@ absl::StatusOr<uint32_t> Store::Delete(const std::string& ns_name,
       !s.ok()) {
     return s;
   }
-  absl::StatusOr<Namespace*> ns = FindNamespace(ns_name);
+  absl::StatusOr<NamespaceRef> ns = FindNamespace(ns_name);
   if (!ns.ok()) return ns.status();
   uint32_t deleted = 0;
   for (const std::string& key : keys) {
@@ -1376,6 +1594,69 @@ absl::StatusOr<uint32_t> Store::Delete(const std::string& ns_name,
   return deleted;
 }
 
+// ------------------------------------------------------------------- drop
+
+absl::StatusOr<DropResult> Store::DropNamespace(const std::string& name) {
+  NamespaceRef ns;
+  {
+    // Found and marked in one step: no new call or lease finds it after.
+    MutexLock lock(&ns_mu_);
+    for (uint32_t i = 0; i < slots_used_ && !ns; ++i) {
+      Namespace* candidate = namespaces_[i].get();
+      if (!candidate->dropped && candidate->info.config.name == name) {
+        ns = NamespaceRef(candidate);
+        candidate->dropped = true;
+      }
+    }
+  }
+  if (!ns) {
+    return absl::NotFoundError(
+        absl::StrCat("namespace '", EchoForError(name), "' is not registered"));
+  }
+  // Its leases end; a write being committed or staged ends with its call
+  // (CommitWrite then stores nothing of a dropped namespace).
+  std::vector<std::unique_ptr<ReadLease>> reads;
+  std::vector<uint64_t> writes;
+  {
+    MutexLock lock(&lease_mu_);
+    for (auto it = read_leases_.begin(); it != read_leases_.end();) {
+      auto here = it++;
+      // A held lease is a transfer's, still sending from its pages: it
+      // ends with the transfer.
+      if (here->second->ns_id != ns->id || here->second->held) continue;
+      reads.push_back(std::move(here->second));
+      read_leases_.erase(here);
+    }
+    for (const auto& [id, lease] : write_leases_) {
+      if (lease->ns_id == ns->id) writes.push_back(id);
+    }
+  }
+  for (const std::unique_ptr<ReadLease>& lease : reads) {
+    UnpinAll(lease->entries);
+  }
+  for (uint64_t id : writes) ReleaseWriteLease(id, /*if_idle=*/true);
+  DropResult result;
+  for (size_t s = 0; s < kNumShards; ++s) {
+    Shard& shard = shards_[s];
+    std::vector<Entry*> parents;
+    {
+      MutexLock lock(&shard.mu);
+      std::vector<Entry*> victims;
+      for (Entry* entry : shard.index) {
+        if (entry->ns_id == ns->id) victims.push_back(entry);
+      }
+      for (Entry* entry : victims) {
+        ++result.blocks;
+        result.freed_bytes += uint64_t{entry->pages.count} * options_.page_size;
+        parents.push_back(RemoveEntry(shard, entry));
+      }
+    }
+    for (Entry* parent : parents) UnlinkParent(parent);
+  }
+  deleted_ += result.blocks;
+  return result;
+}
+
 // -------------------------------------------------------------- maintenance
 
 int Store::RunMaintenance(absl::Time now) {
@@ -1385,8 +1666,10 @@ int Store::RunMaintenance(absl::Time now) {
     const double high = options_.high_watermark * total;
     const double low = options_.low_watermark * total;
     if (static_cast<double>(used_pages_ + reserved_pages_) > high) {
+      // Owners within their share are left alone (store.h, "Owners").
       while (static_cast<double>(used_pages_ + reserved_pages_) > low &&
-             EvictOne(&evictions_watermark_)) {
+             (EvictOne(&evictions_watermark_, Victims::kOverShare, 0) ||
+              EvictOne(&evictions_watermark_, Victims::kNoShare, 0))) {
       }
     }
   }
@@ -1443,10 +1726,12 @@ StoreStats Store::Stats() const {
     s.pending_reencodes = reencode_queue_.size() + reencodes_running_;
   }
   MutexLock lock(&ns_mu_);
-  for (uint32_t i = 0; i < num_namespaces_; ++i) {
+  for (uint32_t i = 0; i < slots_used_; ++i) {
     const Namespace& ns = *namespaces_[i];
+    if (ns.dropped) continue;
     NamespaceStats n;
     n.name = ns.info.config.name;
+    n.owner = ns.owner();
     n.codec = ns.codec();
     n.blocks = ns.blocks;
     n.tokens = n.blocks * ns.info.config.shape.tokens_per_block;
@@ -1473,7 +1758,7 @@ StoreStats Store::Stats() const {
 
 absl::Status Store::CorruptBlockForTest(const std::string& ns_name,
                                         const std::string& key, bool header) {
-  absl::StatusOr<Namespace*> ns = FindNamespace(ns_name);
+  absl::StatusOr<NamespaceRef> ns = FindNamespace(ns_name);
   if (!ns.ok()) return ns.status();
   KeyRef ref = MakeKeyRef((*ns)->id, key);
   Shard& shard = ShardOf(ref);

@@ -35,6 +35,24 @@
 // the namespaces have one mutex each. No thread holds two shard mutexes at
 // once; the pool and lease mutexes are taken last.
 //
+// Owners (tenancy without credentials): every namespace has an opaque
+// owner index (NamespaceConfig::owner; the service maps its tenants onto
+// them, 0 when it runs open), and every lease an opaque holder
+// (Lookup/BeginWrite/ReadOptions): an id-based call names the holder it
+// acts for, and a lease of another holder answers as an unknown one
+// (CheckLeaseHolder). Each owner may have a quota (SetOwnerQuota): a number
+// of namespaces, and a share of the pool in pages. Pages count against an
+// owner while its blocks hold them or its open writes reserve them. Under
+// pool pressure blocks are evicted from owners over their share first, then
+// from owners without a share, by the LRU order among them; an owner within
+// its share is never evicted for another's write. A write that would take
+// its owner over its share while the pool is full evicts only that owner's
+// blocks (RESOURCE_EXHAUSTED when they do not make room).
+//
+// Dropping a namespace (DropNamespace) removes its blocks, ends its leases
+// and frees its table slot for a later registration once no call uses it
+// any more (a slot is reused only when nothing refers to the old namespace).
+//
 // Memory: an index entry is a fixed 88-byte record from its shard's slab
 // (keys up to 16 bytes inline), one pointer slot in the shard's hash set and,
 // while evictable, one (tick, pointer) pair in the shard's LRU B-tree; page
@@ -76,6 +94,14 @@ inline constexpr size_t kMaxKeyBytes = 64;
 inline constexpr size_t kMaxNamespaces = 65535;
 inline constexpr size_t kNumCodecs = 5;
 inline constexpr size_t kNumShards = 16;
+// Owners a store accounts for (NamespaceConfig::owner < kMaxOwners).
+inline constexpr size_t kMaxOwners = 256;
+// The message of FAILED_PRECONDITION for a lease id that is unknown,
+// expired or another holder's: one text, so that the three look alike.
+inline constexpr char kStaleReadLease[] =
+    "read lease is unknown or has expired";
+inline constexpr char kStaleWriteLease[] =
+    "write lease is unknown or has expired";
 
 struct StoreOptions {
   uint32_t page_size = 64 * 1024;
@@ -102,6 +128,25 @@ struct NamespaceConfig {
   // KIVI codecs only: per chain, the blocks holding the most recent this
   // many tokens stay fp16 (0: off). Ignored for other codecs.
   uint32_t residual_tokens = 128;
+  // Whose pool share its blocks count against (see "Owners"); not part of
+  // the fingerprint. A namespace keeps the owner that registered it.
+  uint16_t owner = 0;
+};
+
+// An owner's limits (SetOwnerQuota). Zero means none.
+struct OwnerQuota {
+  uint64_t pool_bytes = 0;  // its share of the pool (rounded up to pages)
+  uint32_t max_namespaces = 0;
+};
+
+struct OwnerUsage {
+  uint64_t pool_bytes = 0;  // pages its blocks hold and its writes reserve
+  uint32_t namespaces = 0;
+};
+
+struct DropResult {
+  uint64_t blocks = 0;
+  uint64_t freed_bytes = 0;  // pages its blocks held
 };
 
 struct NamespaceInfo {
@@ -166,6 +211,8 @@ struct ReadOptions {
   bool keep_lease = false;
   bool allow_missing = false;
   bool in_place = false;
+  // Who the kept lease belongs to; a pin_lease_id must be this holder's.
+  uint32_t holder = 0;
 };
 
 struct ReadResult {
@@ -190,6 +237,7 @@ struct CodecStats {
 
 struct NamespaceStats {
   std::string name;
+  uint16_t owner = 0;
   kernels::Codec codec = kernels::Codec::kNone;
   uint64_t blocks = 0;
   uint64_t tokens = 0;
@@ -236,10 +284,14 @@ class Store {
   // Set before the store is shared between threads.
   void SetQuantizeObserver(QuantizeObserver observer);
 
-  // INVALID_ARGUMENT: bad name, shape or codec policy. FAILED_PRECONDITION:
-  // the name exists with a different layout or policy. RESOURCE_EXHAUSTED:
-  // max_namespaces reached.
-  absl::StatusOr<NamespaceInfo> RegisterNamespace(NamespaceConfig config);
+  // INVALID_ARGUMENT: bad name, shape, codec policy or owner.
+  // FAILED_PRECONDITION: the name exists with a different layout or policy.
+  // RESOURCE_EXHAUSTED: max_namespaces reached, or the owner's quota of
+  // namespaces. Registering an existing name again (same spec) answers it
+  // with already_registered, whoever asks; its owner stays. With create
+  // false a name that is not registered is NOT_FOUND (nothing is created).
+  absl::StatusOr<NamespaceInfo> RegisterNamespace(NamespaceConfig config,
+                                                  bool create = true);
   absl::StatusOr<NamespaceInfo> GetNamespace(const std::string& name) const;
 
   // Longest cached prefix of `keys`. With pin, the prefix is pinned under a
@@ -247,7 +299,8 @@ class Store {
   // its TTL).
   absl::StatusOr<LookupResult> Lookup(const std::string& ns,
                                       absl::Span<const std::string> keys,
-                                      bool pin, absl::Duration ttl);
+                                      bool pin, absl::Duration ttl,
+                                      uint32_t holder = 0);
 
   // Reserves pages for every block not stored yet, evicting as needed.
   // RESOURCE_EXHAUSTED when the pool cannot hold them even after evicting
@@ -255,7 +308,8 @@ class Store {
   // unpinned blocks would not make room).
   absl::StatusOr<BeginWriteResult> BeginWrite(const std::string& ns,
                                               std::vector<BlockRef> blocks,
-                                              absl::Duration ttl);
+                                              absl::Duration ttl,
+                                              uint32_t holder = 0);
 
   struct Payload {
     uint32_t index;
@@ -315,6 +369,27 @@ class Store {
   absl::StatusOr<uint32_t> Delete(const std::string& ns,
                                   absl::Span<const std::string> keys);
 
+  // OK when `lease_id` names an open read lease (read) or write lease (not
+  // read) of `holder`; otherwise FAILED_PRECONDITION with kStaleReadLease
+  // or kStaleWriteLease, the answer to an unknown id.
+  absl::Status CheckLeaseHolder(uint64_t lease_id, bool read,
+                                uint32_t holder) const;
+
+  // Removes namespace `name`: its blocks leave the index and the
+  // accounting at once (a pinned block's pages go back at its last unpin),
+  // its read leases and idle write leases end (a read lease held by a
+  // transfer, HoldReadLease, ends with the transfer; a write being
+  // committed or staged stores nothing), its name is free for a new
+  // registration at once and its slot once nothing refers to it. NOT_FOUND
+  // when it is not registered.
+  absl::StatusOr<DropResult> DropNamespace(const std::string& name);
+
+  // Sets (or, with a zero quota, clears) owner's limits; takes effect on
+  // the next registration, reservation or eviction. INVALID_ARGUMENT for
+  // owner >= kMaxOwners.
+  absl::Status SetOwnerQuota(uint16_t owner, const OwnerQuota& quota);
+  OwnerUsage Usage(uint16_t owner) const;
+
   StoreStats Stats() const;
 
   // Ends every lease whose deadline is before `now`; returns how many.
@@ -337,6 +412,10 @@ class Store {
   struct Shard;
   struct ReadLease;
   struct WriteLease;
+  class NamespaceRef;
+  struct OwnerAccount;
+  // Which blocks an eviction may take (see "Owners").
+  enum class Victims { kOwn, kOverShare, kNoShare };
   struct ReencodeJob {
     uint16_t ns_id;
     std::string key;
@@ -351,7 +430,17 @@ class Store {
 
   Store(const StoreOptions& options, std::unique_ptr<Arena> arena);
 
-  absl::StatusOr<Namespace*> FindNamespace(const std::string& name) const;
+  // The namespace `config` describes, validated (RegisterNamespace's
+  // INVALID_ARGUMENT cases), not in the table yet.
+  absl::StatusOr<std::unique_ptr<Namespace>> MakeNamespace(
+      NamespaceConfig config) const;
+  // A live namespace by name, referenced (its slot stays while the
+  // reference lives). NOT_FOUND when none.
+  absl::StatusOr<NamespaceRef> FindNamespace(const std::string& name) const;
+  // A live namespace by slot (null when the slot is empty or dropped).
+  NamespaceRef RefById(uint16_t id) const;
+  // The namespace in slot `id`. Only for a caller that holds a reference
+  // to it, or a block of it in the index (the slot is not reused then).
   Namespace* NamespaceById(uint16_t id) const;
   static KeyRef MakeKeyRef(uint16_t ns_id, absl::string_view key);
   Shard& ShardOf(const KeyRef& ref) const;
@@ -397,9 +486,16 @@ class Store {
                                const ReadOptions& options,
                                std::vector<uint8_t>* stored, ReadBlock* block,
                                absl::Status* verified);
-  // Evicts the least recently used evictable block; false when none.
-  bool EvictOne(std::atomic<uint64_t>* counter);
-  bool ReservePages(uint32_t count, PageList* pages);
+  // Evicts the least recently used evictable block among `victims` (kOwn:
+  // `owner`'s); false when none.
+  bool EvictOne(std::atomic<uint64_t>* counter, Victims victims,
+                uint16_t owner);
+  // Evicts for a reservation of `count` pages by `owner` (see "Owners");
+  // false when nothing may go.
+  bool EvictFor(uint16_t owner, uint32_t count, std::atomic<uint64_t>* counter);
+  // Pages for `owner` (counted in its reserved pages), evicting as needed.
+  // RESOURCE_EXHAUSTED when they cannot be had.
+  absl::Status ReservePages(uint16_t owner, uint32_t count, PageList* pages);
   void ReleasePages(const PageList& pages);
   void ReleaseReadLease(uint64_t id);
   // Returns true when it released the lease. With if_idle, a lease that a
@@ -424,10 +520,16 @@ class Store {
   QuantizeObserver quantize_observer_;
 
   mutable Mutex ns_mu_;
-  // max_namespaces slots, filled in registration order and never emptied;
-  // a slot is written once, before any block of it exists.
+  // max_namespaces slots. A slot is written under ns_mu_ before any block
+  // of it exists, and again only once its namespace is dropped and no
+  // NamespaceRef to it is left (so a reader holding a reference, or one of
+  // its blocks in the index, sees it unchanged).
   std::unique_ptr<std::unique_ptr<Namespace>[]> namespaces_;
-  uint32_t num_namespaces_ ABSL_GUARDED_BY(ns_mu_) = 0;
+  uint32_t slots_used_ ABSL_GUARDED_BY(ns_mu_) = 0;  // high-water mark
+
+  // kMaxOwners accounts; owners [0, owner_limit_) may hold blocks.
+  std::unique_ptr<OwnerAccount[]> owners_;
+  std::atomic<uint32_t> owner_limit_{1};
 
   // Allocation takes the pool's own mutex; copies run lock-free on pages
   // their caller owns.

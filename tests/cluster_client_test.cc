@@ -23,6 +23,7 @@
 #include "service/metrics.h"
 #include "service/node.h"
 #include "tests/black_hole.h"
+#include "tests/test_tenants.h"
 #include "tests/test_util.h"
 
 namespace kvcache {
@@ -143,6 +144,7 @@ class ClusterTest : public ::testing::Test {
     options.max_request_bytes = 4 << 20;
     options.drain_timeout = absl::Seconds(2);
     options.worker_threads = 2;
+    if (tenants_ != nullptr) options.tenants_file = tenants_->path();
     if (ucx_) {
       options.data_plane = service::DataPlaneMode::kUcx;
       options.ucx.tcp_trusted_network = true;  // loopback
@@ -170,7 +172,30 @@ class ClusterTest : public ::testing::Test {
     o.threads_per_node = 2;
     o.max_blocks_per_rpc = 32;
     o.max_message_bytes = 4 << 20;
+    o.bearer_token = token_;
     return o;
+  }
+
+  // Runs the nodes with tenants, and the clients as a write tenant that
+  // owns the namespaces the tests use.
+  void UseTenants() {
+    tenants_ = std::make_unique<kvcache::testing::TestTenantsFile>();
+    token_ = "cluster-worker-token";
+    tenants_->Write(absl::StrCat(
+        kvcache::testing::AdminTenants(), "tenants { name: \"worker\" ",
+        "token_sha256: \"", kvcache::testing::TokenSha256(token_), "\" ",
+        "namespace_prefixes: \"ns\" namespace_prefixes: \"lw-\" ",
+        "namespace_prefixes: \"cancel-\" role: ROLE_WRITE }\n"));
+  }
+
+  // A direct client of node i, with the cluster's credential.
+  std::unique_ptr<Client> Direct(int i) {
+    ClientOptions co;
+    co.target = Id(i);
+    co.bearer_token = token_;
+    auto client = Client::Connect(co);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? *std::move(client) : nullptr;
   }
 
   std::unique_ptr<ClusterClient> Connect(ClusterOptions o) {
@@ -308,11 +333,29 @@ class ClusterTest : public ::testing::Test {
     return true;
   }
 
+  std::unique_ptr<kvcache::testing::TestTenantsFile> tenants_;  // or open
+  std::string token_;
   std::vector<std::unique_ptr<service::Node>> nodes_;
   std::vector<int> ports_;
 };
 
-TEST_F(ClusterTest, PutLookupGetShardAcrossNodes) {
+// The parameter: whether the nodes run with tenants (UseTenants).
+class ClusterModeTest : public ClusterTest,
+                        public ::testing::WithParamInterface<bool> {
+ protected:
+  void SetUp() override {
+    if (GetParam()) UseTenants();
+    ClusterTest::SetUp();
+  }
+};
+
+std::string ModeName(const ::testing::TestParamInfo<bool>& info) {
+  return info.param ? "Tenants" : "Open";
+}
+INSTANTIATE_TEST_SUITE_P(OpenAndTenants, ClusterModeTest, ::testing::Bool(),
+                         ModeName);
+
+TEST_P(ClusterModeTest, PutLookupGetShardAcrossNodes) {
   auto cc = ConnectAll();
   ASSERT_NE(cc, nullptr);
   auto info = cc->RegisterNamespace(Spec("ns", Codec::kNone));
@@ -347,11 +390,7 @@ TEST_F(ClusterTest, PutLookupGetShardAcrossNodes) {
 
   // Each block lives on its owner and nowhere else.
   std::map<std::string, std::unique_ptr<Client>> direct;
-  for (int i = 0; i < 3; ++i) {
-    ClientOptions co;
-    co.target = Id(i);
-    direct[Id(i)] = *Client::Connect(co);
-  }
+  for (int i = 0; i < 3; ++i) direct[Id(i)] = Direct(i);
   for (const std::string& k : Chain(1)) {
     for (auto& [id, client] : direct) {
       auto r = client->Lookup("ns", {k});
@@ -371,7 +410,39 @@ TEST_F(ClusterTest, PutLookupGetShardAcrossNodes) {
   EXPECT_EQ(gone->prefix_blocks, 0u);
 }
 
-TEST_F(ClusterTest, AsyncFuturesAndCallbacks) {
+// A credential the nodes refuse is the caller's error on every call, never
+// a dead node's misses: a wrong token does not read as an empty cache.
+class ClusterTenantsTest : public ClusterTest {
+ protected:
+  void SetUp() override {
+    UseTenants();
+    ClusterTest::SetUp();
+  }
+};
+
+TEST_F(ClusterTenantsTest, AWrongTokenOrAnotherTenantsNamespaceIsAnError) {
+  auto cc = ConnectAll();
+  ASSERT_NE(cc, nullptr);
+  ASSERT_TRUE(cc->RegisterNamespace(Spec("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(PutChain(*cc, "ns", Chain(0)).ok());
+  ClusterOptions wrong = Options({Id(0), Id(1), Id(2)});
+  wrong.bearer_token = "not-the-workers-token";
+  auto stranger = Connect(wrong);
+  ASSERT_NE(stranger, nullptr);
+  EXPECT_EQ(
+      stranger->RegisterNamespace(Spec("ns", Codec::kNone)).status().code(),
+      absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(
+      cc->RegisterNamespace(Spec("elsewhere", Codec::kNone)).status().code(),
+      absl::StatusCode::kPermissionDenied);
+  // The nodes stay healthy members for the right credential.
+  auto hit = cc->Lookup("ns", Chain(0));
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(hit->prefix_blocks, static_cast<uint32_t>(kBlocksPerChain));
+  EXPECT_EQ(hit->unavailable_keys, 0u);
+}
+
+TEST_P(ClusterModeTest, AsyncFuturesAndCallbacks) {
   auto cc = ConnectAll();
   ASSERT_NE(cc, nullptr);
   ASSERT_TRUE(cc->RegisterNamespace(Spec("ns", Codec::kNone)).ok());
@@ -429,7 +500,7 @@ TEST_F(ClusterTest, AsyncFuturesAndCallbacks) {
   EXPECT_EQ(calls.load(), 1);
 }
 
-TEST_F(ClusterTest, KillingANodeMidWorkloadGivesOnlyMisses) {
+TEST_P(ClusterModeTest, KillingANodeMidWorkloadGivesOnlyMisses) {
   auto cc = ConnectAll();
   ASSERT_NE(cc, nullptr);
   ASSERT_TRUE(cc->RegisterNamespace(Spec("ns", Codec::kNone)).ok());
@@ -551,7 +622,7 @@ TEST_F(ClusterTest, AllNodesDownIsMissesNotErrors) {
   }
 }
 
-TEST_F(ClusterTest, RestartedNodeIsProbedAfterBackoffAndReregistered) {
+TEST_P(ClusterModeTest, RestartedNodeIsProbedAfterBackoffAndReregistered) {
   auto cc = ConnectAll();
   ASSERT_NE(cc, nullptr);
   ASSERT_TRUE(cc->RegisterNamespace(Spec("ns", Codec::kNone)).ok());
@@ -817,7 +888,7 @@ TEST_F(ClusterTest, MembershipFromDnsAndDiscovery) {
 // raw reads are dequantized here one layer at a time and equal the node's
 // own fp16 decode bit for bit, for every codec (with an fp16 layer and
 // static scales in the mix).
-TEST_F(ClusterTest, LayerwiseGetDeliversLayersInOrder) {
+TEST_P(ClusterModeTest, LayerwiseGetDeliversLayersInOrder) {
   auto cc = ConnectAll();
   ASSERT_NE(cc, nullptr);
   const BlockShape shape{4, 2, 32, 32};
@@ -1036,7 +1107,18 @@ class ClusterUcxTest : public ClusterTest {
   }
 };
 
-TEST_F(ClusterUcxTest, LayerwiseGetTravelsLayerByLayerOverUcx) {
+class ClusterUcxModeTest : public ClusterUcxTest,
+                           public ::testing::WithParamInterface<bool> {
+ protected:
+  void SetUp() override {
+    if (GetParam()) UseTenants();
+    ClusterUcxTest::SetUp();
+  }
+};
+INSTANTIATE_TEST_SUITE_P(OpenAndTenants, ClusterUcxModeTest, ::testing::Bool(),
+                         ModeName);
+
+TEST_P(ClusterUcxModeTest, LayerwiseGetTravelsLayerByLayerOverUcx) {
   auto cc = Connect(UcxOptions());
   ASSERT_NE(cc, nullptr);
   const BlockShape shape{6, 4, 64, 32};  // 192 KiB of fp16 per block

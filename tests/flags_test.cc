@@ -25,6 +25,20 @@ TEST(FlagsTest, ParsesEveryFlag) {
   EXPECT_FALSE(f->help);
 }
 
+TEST(FlagsTest, ParsesTheTenantsFlags) {
+  auto f = ParseNodeFlags({"--tenants=/etc/kvcache-tenants/tenants.textproto",
+                           "--tenants-refresh=2.5"});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->options.tenants_file, "/etc/kvcache-tenants/tenants.textproto");
+  EXPECT_EQ(f->options.tenants_refresh, absl::Seconds(2.5));
+  auto open = ParseNodeFlags({});
+  ASSERT_TRUE(open.ok());
+  EXPECT_TRUE(open->options.tenants_file.empty());
+  EXPECT_EQ(ParseNodeFlags({"--tenants-refresh=soon"}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(NodeUsage().find("--tenants=FILE"), std::string::npos);
+}
+
 TEST(FlagsTest, RejectsBadInputNamingTheFlag) {
   for (const char* bad :
        {"--memory=host:lots", "--default-codec=int3", "--bogus=1", "listen",

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# End to end on real processes: starts kvcache-node, drives the demo workload
-# through the client, pipes /metrics through `promtool check metrics` (any
-# finding fails), then sends SIGTERM with idle connections open to /metrics
-# and expects a drained exit 0 within --drain-timeout + 1 s.
+# End to end on real processes: starts kvcache-node with a tenants file
+# (the token hashed by kvcache-tool hash-token), drives the demo workload
+# through the client as that tenant (--token-file), pipes /metrics through
+# `promtool check metrics` (any finding fails), then sends SIGTERM with idle
+# connections open to /metrics and expects a drained exit 0 within
+# --drain-timeout + 1 s.
 # Usage: node_process_test.sh BIN_DIR
 set -euo pipefail
 bin_dir=$1
@@ -16,10 +18,19 @@ cleanup() {
 }
 trap cleanup EXIT
 
+echo "node-process-test-token" >"$work/token"
+cat >"$work/tenants.textproto" <<EOF
+tenants {
+  name: "demo"
+  token_sha256: "$("$bin_dir/tools/kvcache-tool" hash-token --token-file "$work/token")"
+  namespace_prefixes: "demo-"
+  role: ROLE_WRITE
+}
+EOF
 "$bin_dir/service/kvcache-node" --listen=127.0.0.1:0 \
   --metrics-listen=127.0.0.1:0 --health-listen=127.0.0.1:0 \
   --memory=host:512MiB --page-size=16KiB --drain-timeout=5 \
-  2>"$work/node.log" &
+  --tenants="$work/tenants.textproto" 2>"$work/node.log" &
 node_pid=$!
 for _ in $(seq 1 100); do
   grep -q "serving gRPC" "$work/node.log" && break
@@ -28,10 +39,13 @@ done
 grpc_port=$(sed -n 's/.*serving gRPC on port \([0-9]*\).*/\1/p' "$work/node.log")
 metrics_port=$(sed -n 's/.*metrics on port \([0-9]*\).*/\1/p' "$work/node.log")
 [[ -n $grpc_port && -n $metrics_port ]] || { cat "$work/node.log"; exit 1; }
+if grep -q "running open" "$work/node.log"; then
+  echo "a node with --tenants says it runs open"; exit 1
+fi
 
 timeout 300 "$bin_dir/tools/kvcache-demo" --node="127.0.0.1:$grpc_port" \
   --metrics="127.0.0.1:$metrics_port" --conversations=3 --turns=2 \
-  | tee "$work/demo.txt"
+  --token-file="$work/token" | tee "$work/demo.txt"
 grep -q "quantization buys" "$work/demo.txt"
 
 curl -sf --max-time 10 "http://127.0.0.1:$metrics_port/metrics" >"$work/metrics.txt"
@@ -39,6 +53,8 @@ for name in kvcache_pool_capacity_bytes kvcache_token_capacity_remaining \
     kvcache_requests_total kvcache_blocks kvcache_stored_tokens; do
   grep -q "^$name" "$work/metrics.txt" || { echo "missing $name"; exit 1; }
 done
+grep -q 'kvcache_requests_total{code="OK",op="commit_write",tenant="demo"}' \
+  "$work/metrics.txt" || { echo "no requests of tenant demo"; exit 1; }
 findings=$(promtool check metrics <"$work/metrics.txt" 2>&1) || {
   echo "promtool check metrics failed:"; echo "$findings"; exit 1; }
 if [[ -n $findings ]]; then

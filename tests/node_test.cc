@@ -1,6 +1,7 @@
 // Integration tests: a node on loopback (port 0) driven through the client
 // library and, for malformed messages the client cannot produce, the raw
-// gRPC stub.
+// gRPC stub. Each NodeTest runs twice: on an open node, and on a node with
+// tenants, as their admin (tests/tenants_test.cc has the tenants' own).
 #include "service/node.h"
 
 #include <sys/resource.h>
@@ -21,6 +22,7 @@
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "tests/black_hole.h"
 #include "tests/http_get.h"
+#include "tests/test_tenants.h"
 #include "tests/test_util.h"
 
 namespace kvcache {
@@ -30,9 +32,13 @@ using kvcache::testing::Key;
 using kvcache::testing::RandomBlock;
 using kvcache::testing::SmallShape;
 
-class NodeTest : public ::testing::Test {
+// The parameter: whether the node runs with tenants.
+class NodeTest : public ::testing::TestWithParam<bool> {
  protected:
-  void SetUp() override { StartNode(64 << 20); }
+  void SetUp() override {
+    if (GetParam()) tenants_.Write(kvcache::testing::AdminTenants());
+    StartNode(64 << 20);
+  }
 
   void StartNode(uint64_t memory_bytes) {
     service::NodeOptions options;
@@ -45,12 +51,14 @@ class NodeTest : public ::testing::Test {
     options.max_request_bytes = 1 << 20;
     options.drain_timeout = absl::Seconds(5);
     options.worker_threads = 2;
+    if (GetParam()) options.tenants_file = tenants_.path();
     node_ = std::make_unique<service::Node>(options);
     ASSERT_TRUE(node_->Start().ok());
     ClientOptions copts;
     copts.target = absl::StrCat("127.0.0.1:", node_->port());
     copts.timeout = absl::Seconds(10);
     copts.max_message_bytes = 1 << 20;
+    if (GetParam()) copts.bearer_token = kvcache::testing::kAdminToken;
     auto client = Client::Connect(copts);
     ASSERT_TRUE(client.ok());
     client_ = *std::move(client);
@@ -108,9 +116,14 @@ class NodeTest : public ::testing::Test {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::seconds(10));
+    if (GetParam()) {
+      ctx.AddMetadata("authorization",
+                      absl::StrCat("Bearer ", kvcache::testing::kAdminToken));
+    }
     return call(&ctx);
   }
 
+  kvcache::testing::TestTenantsFile tenants_;
   std::unique_ptr<service::Node> node_;
   std::unique_ptr<Client> client_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -118,7 +131,7 @@ class NodeTest : public ::testing::Test {
   std::map<int, std::vector<uint16_t>> data_;
 };
 
-TEST_F(NodeTest, PutLookupGetAcrossCodecsAndFormats) {
+TEST_P(NodeTest, PutLookupGetAcrossCodecsAndFormats) {
   for (Codec codec : kernels::kAllCodecs) {
     std::string ns = absl::StrCat("ns-", kernels::CodecName(codec));
     auto info = client_->RegisterNamespace(Spec(ns, codec));
@@ -164,7 +177,7 @@ TEST_F(NodeTest, PutLookupGetAcrossCodecsAndFormats) {
   EXPECT_EQ(stats->namespaces.size(), 5u);
 }
 
-TEST_F(NodeTest, KiviResidualWindowReencodesInTheBackground) {
+TEST_P(NodeTest, KiviResidualWindowReencodesInTheBackground) {
   // 64 tokens of window = the 2 newest blocks of a chain stay fp16.
   ASSERT_TRUE(client_->RegisterNamespace(Spec("kivi", Codec::kKivi4, 64)).ok());
   ASSERT_TRUE(PutChain("kivi", 0, 5).ok());
@@ -193,7 +206,7 @@ TEST_F(NodeTest, KiviResidualWindowReencodesInTheBackground) {
   }
 }
 
-TEST_F(NodeTest, LookupPinIsTakenOverByGet) {
+TEST_P(NodeTest, LookupPinIsTakenOverByGet) {
   ASSERT_TRUE(client_->RegisterNamespace(Spec("ns", Codec::kNone)).ok());
   ASSERT_TRUE(PutChain("ns", 0, 3).ok());
   auto pin = client_->Lookup("ns", Keys(0, 3), /*pin=*/true);
@@ -211,7 +224,7 @@ TEST_F(NodeTest, LookupPinIsTakenOverByGet) {
 // allow_missing: Get and GetInto return the blocks the node holds intact,
 // list the rest (never stored, or corrupt and dropped), and still refuse
 // bad input.
-TEST_F(NodeTest, AllowMissingReturnsWhatIsThereAndListsTheRest) {
+TEST_P(NodeTest, AllowMissingReturnsWhatIsThereAndListsTheRest) {
   ASSERT_TRUE(client_->RegisterNamespace(Spec("ns", Codec::kFp8E4M3)).ok());
   ASSERT_TRUE(PutChain("ns", 0, 4).ok());
   ASSERT_TRUE(PutChain("ns", 6, 1).ok());
@@ -429,7 +442,7 @@ TEST(ClientCallOptionsTest, CancelFromAnotherThreadEndsEveryCallPromptly) {
   }
 }
 
-TEST_F(NodeTest, BadInputGetsExactCodesAndLosesNothing) {
+TEST_P(NodeTest, BadInputGetsExactCodesAndLosesNothing) {
   ASSERT_TRUE(client_->RegisterNamespace(Spec("ns", Codec::kNone)).ok());
   ASSERT_TRUE(PutChain("ns", 0, 3).ok());
 
@@ -514,7 +527,7 @@ TEST_F(NodeTest, BadInputGetsExactCodesAndLosesNothing) {
 // Requests a hostile client can send: the codes are BRIEF section 5's, a
 // cheap request costs the node little, and a pin of one namespace cannot be
 // taken over (and released) by a read of another.
-TEST_F(NodeTest, HostileRequestsGetBriefCodesAndCostLittle) {
+TEST_P(NodeTest, HostileRequestsGetBriefCodesAndCostLittle) {
   ASSERT_TRUE(client_->RegisterNamespace(Spec("a", Codec::kNone)).ok());
   ASSERT_TRUE(client_->RegisterNamespace(Spec("b", Codec::kNone)).ok());
   ASSERT_TRUE(PutChain("a", 0, 2).ok());
@@ -605,7 +618,7 @@ TEST_F(NodeTest, HostileRequestsGetBriefCodesAndCostLittle) {
   ExpectIntact("b", 0, 2);
 }
 
-TEST_F(NodeTest, FullPoolIsResourceExhaustedWithARetryHint) {
+TEST_P(NodeTest, FullPoolIsResourceExhaustedWithARetryHint) {
   node_.reset();
   StartNode(8 * 4 * 4096 + 8192);  // room for a few fp16 blocks
   ASSERT_TRUE(client_->RegisterNamespace(Spec("ns", Codec::kNone)).ok());
@@ -621,7 +634,7 @@ TEST_F(NodeTest, FullPoolIsResourceExhaustedWithARetryHint) {
   EXPECT_TRUE(PutChain("ns", 10, 7).ok());
 }
 
-TEST_F(NodeTest, HealthAndReflectionAreServed) {
+TEST_P(NodeTest, HealthAndReflectionAreServed) {
   for (int port : {node_->port(), node_->health_port()}) {
     auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
                                        grpc::InsecureChannelCredentials());
@@ -669,7 +682,7 @@ TEST_F(NodeTest, HealthAndReflectionAreServed) {
   EXPECT_TRUE(stream->Finish().ok());
 }
 
-TEST_F(NodeTest, MetricsExposeCapacityRequestsAndCodecs) {
+TEST_P(NodeTest, MetricsExposeCapacityRequestsAndCodecs) {
   ASSERT_TRUE(client_->RegisterNamespace(Spec("ns", Codec::kFp8E4M3)).ok());
   ASSERT_TRUE(PutChain("ns", 0, 2).ok());
   ASSERT_TRUE(client_->Lookup("ns", Keys(0, 3)).ok());
@@ -677,7 +690,10 @@ TEST_F(NodeTest, MetricsExposeCapacityRequestsAndCodecs) {
   auto body = kvcache::testing::HttpGet(node_->metrics_port(), "/metrics");
   ASSERT_TRUE(body.ok()) << body.status();
   for (const char* needle : {
-           "kvcache_requests_total{code=\"OK\",op=\"commit_write\"} 1",
+           GetParam() ? "kvcache_requests_total{code=\"OK\",op=\"commit_"
+                        "write\",tenant=\"admin\"} 1"
+                      : "kvcache_requests_total{code=\"OK\",op=\"commit_"
+                        "write\",tenant=\"open\"} 1",
            "kvcache_request_duration_seconds_bucket",
            "kvcache_lookup_blocks_total{result=\"hit\"} 2",
            "kvcache_lookup_blocks_total{result=\"miss\"} 1",
@@ -702,7 +718,7 @@ TEST_F(NodeTest, MetricsExposeCapacityRequestsAndCodecs) {
 // must not stop /metrics: Prometheus would see the node down while it
 // serves. HttpGet gives up after 5 s; an idle connection used to hold one of
 // the exposer's two threads for 30 s.
-TEST_F(NodeTest, MetricsAnswerWithIdleConnectionsOpen) {
+TEST_P(NodeTest, MetricsAnswerWithIdleConnectionsOpen) {
   std::vector<std::unique_ptr<kvcache::testing::ScopedFd>> idle;
   for (int i = 0; i < 4; ++i) {
     auto fd = std::make_unique<kvcache::testing::ScopedFd>(
@@ -728,7 +744,7 @@ TEST_F(NodeTest, MetricsAnswerWithIdleConnectionsOpen) {
 // first, on every port, for the notice the node gives, and only then the
 // port goes away (UNAVAILABLE). A probe that went from SERVING straight to
 // UNAVAILABLE could not tell a drain from a crash.
-TEST_F(NodeTest, DrainSaysNotServingOnEveryPortBeforeItStops) {
+TEST_P(NodeTest, DrainSaysNotServingOnEveryPortBeforeItStops) {
   struct Poller {
     std::unique_ptr<grpc::health::v1::Health::Stub> health;
     std::vector<std::string> seen;  // distinct answers, in order
@@ -775,7 +791,7 @@ TEST_F(NodeTest, DrainSaysNotServingOnEveryPortBeforeItStops) {
   }
 }
 
-TEST_F(NodeTest, DrainFinishesAndThenRefuses) {
+TEST_P(NodeTest, DrainFinishesAndThenRefuses) {
   ASSERT_TRUE(client_->RegisterNamespace(Spec("ns", Codec::kNone)).ok());
   ASSERT_TRUE(PutChain("ns", 0, 1).ok());
   node_->Drain();
@@ -783,6 +799,11 @@ TEST_F(NodeTest, DrainFinishesAndThenRefuses) {
   EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable)
       << after.status();
 }
+
+INSTANTIATE_TEST_SUITE_P(OpenAndTenants, NodeTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Tenants" : "Open";
+                         });
 
 }  // namespace
 }  // namespace kvcache

@@ -946,6 +946,17 @@ TEST(StoreTest, RegistrationRules) {
   auto again = store->RegisterNamespace(Config("ns", Codec::kNone));
   ASSERT_TRUE(again.ok());
   EXPECT_TRUE(again->already_registered);
+  // Without create, only what exists (with its spec) is answered.
+  auto existing = store->RegisterNamespace(Config("ns", Codec::kNone),
+                                           /*create=*/false);
+  ASSERT_TRUE(existing.ok());
+  EXPECT_TRUE(existing->already_registered);
+  EXPECT_EQ(store
+                ->RegisterNamespace(Config("new", Codec::kNone),
+                                    /*create=*/false)
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
   NamespaceConfig other = Config("ns", Codec::kNone);
   other.shape.num_layers = 3;
   EXPECT_EQ(store->RegisterNamespace(other).status().code(),
@@ -963,6 +974,274 @@ TEST(StoreTest, RegistrationRules) {
   auto info = store->RegisterNamespace(defaulted);
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->config.policy.codec, Codec::kFp8E4M3);
+}
+
+// ---------------------------------------------------------------- owners
+
+NamespaceConfig OwnedConfig(const std::string& name, uint16_t owner) {
+  NamespaceConfig c = Config(name, Codec::kNone);
+  c.owner = owner;
+  return c;
+}
+
+bool Stored(Store* store, const std::string& ns, int i) {
+  auto r = store->Lookup(ns, {Key(i)}, false, absl::ZeroDuration());
+  return r.ok() && r->prefix_blocks == 1;
+}
+
+TEST(StoreOwnerTest, DropNamespaceFreesItsBlocksEndsItsLeasesAndItsSlot) {
+  StoreOptions options;
+  options.max_namespaces = 2;
+  auto store = MakeStore(1 << 20, options);
+  ASSERT_TRUE(store->RegisterNamespace(Config("a", Codec::kNone)).ok());
+  ASSERT_TRUE(store->RegisterNamespace(Config("b", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "a", 0, 4).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "b", 0, 2).ok());
+  const uint64_t b_bytes = 2 * 4 * kPage;
+  auto pin = store->Lookup("a", Keys(0, 2), true, absl::Seconds(30));
+  auto write = store->BeginWrite("a", {{Key(9), ""}}, absl::Seconds(30));
+  ASSERT_TRUE(pin.ok() && write.ok());
+  EXPECT_EQ(store->RegisterNamespace(Config("c", Codec::kNone)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+
+  auto dropped = store->DropNamespace("a");
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(dropped->blocks, 4u);
+  EXPECT_EQ(dropped->freed_bytes, 4u * 4 * kPage);
+  StoreStats s = store->Stats();
+  EXPECT_EQ(s.used_bytes, b_bytes);
+  EXPECT_EQ(s.reserved_bytes, 0u);
+  EXPECT_EQ(s.pinned_bytes, 0u);
+  EXPECT_EQ(s.active_read_leases + s.active_write_leases, 0u);
+  ASSERT_EQ(s.namespaces.size(), 1u);
+  EXPECT_EQ(s.namespaces[0].name, "b");
+  // Its leases are stale; its name is unknown; its slot takes a new one.
+  EXPECT_EQ(store->EndLease(pin->lease_id).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->CommitWrite(write->write_id, {}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->Lookup("a", Keys(0, 1), false, absl::ZeroDuration())
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->DropNamespace("a").status().code(),
+            absl::StatusCode::kNotFound);
+  ASSERT_TRUE(store->RegisterNamespace(Config("c", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "c", 0, 4).ok());
+  EXPECT_TRUE(Stored(store.get(), "c", 3));
+  EXPECT_TRUE(Stored(store.get(), "b", 1));
+  // The same name again is a new, empty namespace.
+  ASSERT_TRUE(store->DropNamespace("c").ok());
+  ASSERT_TRUE(store->RegisterNamespace(Config("c", Codec::kNone)).ok());
+  EXPECT_FALSE(Stored(store.get(), "c", 0));
+  EXPECT_EQ(store->Stats().used_bytes, b_bytes);
+}
+
+TEST(StoreOwnerTest, ADropLeavesABlockPinnedByAReadUntilTheReadEnds) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("a", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "a", 0, 2).ok());
+  ReadOptions keep = Copy(ReadFormat::kRaw);
+  keep.keep_lease = true;
+  auto read = store->BeginRead("a", Keys(0, 2), keep);
+  ASSERT_TRUE(read.ok());
+  ASSERT_TRUE(store->HoldReadLease(read->lease_id).ok());  // a transfer's
+  ASSERT_TRUE(store->DropNamespace("a").ok());
+  // Out of the accounting at once, its pages kept until the transfer ends.
+  EXPECT_EQ(store->Stats().used_bytes, 0u);
+  EXPECT_EQ(store->Stats().pinned_bytes, 2u * 4 * kPage);
+  ASSERT_TRUE(store->EndLease(read->lease_id).ok());
+  EXPECT_EQ(store->Stats().pinned_bytes, 0u);
+}
+
+// Drops and registrations race with writers, readers and pins of the same
+// names: nothing crashes, every call answers a code of its contract, and
+// at the end the accounting equals what the namespaces hold.
+TEST(StoreOwnerTest, DropsRacingWithWritesAndReadsKeepTheAccountingExact) {
+  StoreOptions options;
+  options.max_namespaces = 4;
+  auto store = MakeStore(2 << 20, options);
+  const std::vector<std::string> names = {"r0", "r1", "r2"};
+  for (const std::string& n : names) {
+    ASSERT_TRUE(store->RegisterNamespace(Config(n, Codec::kNone)).ok());
+  }
+  std::atomic<bool> stop{false};
+  std::atomic<int> unexpected{0};
+  auto expect = [&](const absl::Status& s) {
+    switch (s.code()) {
+      case absl::StatusCode::kOk:
+      case absl::StatusCode::kNotFound:
+      case absl::StatusCode::kFailedPrecondition:
+      case absl::StatusCode::kResourceExhausted:
+      case absl::StatusCode::kAborted:
+        return;
+      default:
+        ++unexpected;
+        ADD_FAILURE() << s;
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; !stop; ++i) {
+        const std::string& ns = names[(i + t) % names.size()];
+        expect(WriteChain(store.get(), ns, (i * 3) % 40, 3));
+        auto pin = store->Lookup(ns, Keys(0, 4), true, absl::Seconds(5));
+        expect(pin.status());
+        ReadOptions read = Copy(ReadFormat::kRaw);
+        read.allow_missing = true;
+        if (pin.ok() && pin->lease_id != 0) read.pin_lease_id = pin->lease_id;
+        expect(store->BeginRead(ns, Keys(0, 4), read).status());
+      }
+    });
+  }
+  threads.emplace_back([&] {
+    for (int i = 0; i < 200; ++i) {
+      const std::string& ns = names[i % names.size()];
+      expect(store->DropNamespace(ns).status());
+      expect(store->RegisterNamespace(Config(ns, Codec::kNone)).status());
+      store->RunMaintenance(absl::Now());
+    }
+    stop = true;
+  });
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(unexpected, 0);
+  store->ExpireLeases(absl::InfiniteFuture());
+  StoreStats s = store->Stats();
+  uint64_t held = 0;
+  for (const NamespaceStats& n : s.namespaces) held += n.stored_bytes;
+  EXPECT_EQ(s.used_bytes, held);
+  EXPECT_EQ(s.pinned_bytes, 0u);
+  EXPECT_EQ(s.reserved_bytes, 0u);
+  EXPECT_EQ(s.active_read_leases + s.active_write_leases, 0u);
+  for (const std::string& n : names) ASSERT_TRUE(store->DropNamespace(n).ok());
+  EXPECT_EQ(store->Stats().used_bytes, 0u);
+  EXPECT_EQ(store->Usage(0).pool_bytes, 0u);
+}
+
+TEST(StoreOwnerTest, ALeaseOfAnotherHolderAnswersAsAnUnknownOne) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("a", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "a", 0, 2).ok());
+  auto write = store->BeginWrite("a", {{Key(5), ""}}, absl::Seconds(30), 1);
+  auto pin = store->Lookup("a", Keys(0, 2), true, absl::Seconds(30), 1);
+  ASSERT_TRUE(write.ok() && pin.ok());
+  EXPECT_TRUE(store->CheckLeaseHolder(write->write_id, false, 1).ok());
+  EXPECT_TRUE(store->CheckLeaseHolder(pin->lease_id, true, 1).ok());
+  for (const absl::Status& s :
+       {store->CheckLeaseHolder(write->write_id, false, 2),
+        store->CheckLeaseHolder(write->write_id + 1, false, 1)}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(s.message(), kStaleWriteLease);
+  }
+  for (const absl::Status& s :
+       {store->CheckLeaseHolder(pin->lease_id, true, 2),
+        store->CheckLeaseHolder(write->write_id, true, 1)}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(s.message(), kStaleReadLease);
+  }
+  // Another holder cannot take the pin over; its holder can.
+  ReadOptions other = Copy(ReadFormat::kRaw);
+  other.pin_lease_id = pin->lease_id;
+  other.holder = 2;
+  EXPECT_EQ(store->BeginRead("a", Keys(0, 2), other).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  other.holder = 1;
+  EXPECT_TRUE(store->BeginRead("a", Keys(0, 2), other).ok());
+  EXPECT_EQ(store->Stats().pinned_bytes, 0u);
+}
+
+TEST(StoreOwnerTest, AnOwnersNamespaceQuotaIsResourceExhausted) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->SetOwnerQuota(1, {0, 2}).ok());
+  ASSERT_TRUE(store->RegisterNamespace(OwnedConfig("a", 1)).ok());
+  ASSERT_TRUE(store->RegisterNamespace(OwnedConfig("b", 1)).ok());
+  EXPECT_TRUE(
+      store->RegisterNamespace(OwnedConfig("b", 1))->already_registered);
+  EXPECT_EQ(store->RegisterNamespace(OwnedConfig("c", 1)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(store->RegisterNamespace(OwnedConfig("c", 2)).ok());
+  EXPECT_EQ(store->Usage(1).namespaces, 2u);
+  ASSERT_TRUE(store->DropNamespace("a").ok());
+  EXPECT_TRUE(store->RegisterNamespace(OwnedConfig("d", 1)).ok());
+  EXPECT_EQ(
+      store->RegisterNamespace(OwnedConfig("x", kMaxOwners)).status().code(),
+      absl::StatusCode::kInvalidArgument);
+}
+
+// Two owners with half the pool each (codec none: 4 pages a block).
+TEST(StoreOwnerTest, AnOwnerOverItsShareIsEvictedFirstAndItsWritesEvictItsOwn) {
+  auto store = MakeStore(1 << 20);
+  const uint64_t capacity = store->Stats().capacity_bytes;
+  const int fit = static_cast<int>(capacity / (4 * kPage));
+  const int half = fit / 2;
+  ASSERT_TRUE(
+      store->SetOwnerQuota(1, {static_cast<uint64_t>(half) * 4 * kPage, 0})
+          .ok());
+  ASSERT_TRUE(
+      store->SetOwnerQuota(2, {static_cast<uint64_t>(half) * 4 * kPage, 0})
+          .ok());
+  ASSERT_TRUE(store->RegisterNamespace(OwnedConfig("a", 1)).ok());
+  ASSERT_TRUE(store->RegisterNamespace(OwnedConfig("b", 2)).ok());
+  // Owner 1 fills the free pool: beyond its share while there is room.
+  for (int i = 0; i < fit; ++i)
+    ASSERT_TRUE(WriteChain(store.get(), "a", i, 1).ok());
+  EXPECT_EQ(store->Usage(1).pool_bytes, static_cast<uint64_t>(fit) * 4 * kPage);
+  // Owner 2's writes, within its share, evict owner 1's oldest blocks.
+  for (int i = 0; i < half; ++i) {
+    ASSERT_TRUE(WriteChain(store.get(), "b", i, 1).ok()) << i;
+  }
+  for (int i = 0; i < fit - half; ++i)
+    EXPECT_FALSE(Stored(store.get(), "a", i));
+  for (int i = fit - half; i < fit; ++i)
+    EXPECT_TRUE(Stored(store.get(), "a", i));
+  // Owner 1, over its share with the pool full, makes room from its own
+  // blocks only: owner 2 keeps its share.
+  for (int i = fit; i < fit + 4; ++i) {
+    ASSERT_TRUE(WriteChain(store.get(), "a", i, 1).ok());
+  }
+  for (int i = 0; i < half; ++i) EXPECT_TRUE(Stored(store.get(), "b", i)) << i;
+  EXPECT_LE(store->Usage(1).pool_bytes,
+            (static_cast<uint64_t>(fit) - half) * 4 * kPage);
+  // With its own blocks pinned, nothing may go: RESOURCE_EXHAUSTED.
+  std::vector<LookupResult> pins;
+  for (int i = fit - half + 4; i < fit + 4; ++i) {
+    auto pin = store->Lookup("a", {Key(i)}, true, absl::Seconds(30));
+    ASSERT_TRUE(pin.ok());
+    pins.push_back(*pin);
+  }
+  absl::Status over = WriteChain(store.get(), "a", fit + 10, 1);
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted) << over;
+  for (int i = 0; i < half; ++i) EXPECT_TRUE(Stored(store.get(), "b", i)) << i;
+  for (const LookupResult& pin : pins) {
+    ASSERT_TRUE(store->EndLease(pin.lease_id).ok());
+  }
+  EXPECT_TRUE(WriteChain(store.get(), "a", fit + 10, 1).ok());
+}
+
+// Background eviction takes owners over their share first and leaves an
+// owner within its share alone.
+TEST(StoreOwnerTest, WatermarkEvictionLeavesOwnersWithinTheirShare) {
+  StoreOptions options;
+  options.high_watermark = 0.5;
+  options.low_watermark = 0.4;
+  auto store = MakeStore(1 << 20, options);
+  const uint64_t capacity = store->Stats().capacity_bytes;
+  const int fit = static_cast<int>(capacity / (4 * kPage));
+  ASSERT_TRUE(store->SetOwnerQuota(1, {capacity / 2, 0}).ok());
+  ASSERT_TRUE(store->SetOwnerQuota(2, {4 * kPage, 0}).ok());
+  ASSERT_TRUE(store->RegisterNamespace(OwnedConfig("a", 1)).ok());
+  ASSERT_TRUE(store->RegisterNamespace(OwnedConfig("b", 2)).ok());
+  const int mine = fit / 2 - 1;
+  for (int i = 0; i < mine; ++i)
+    ASSERT_TRUE(WriteChain(store.get(), "a", i, 1).ok());
+  for (int i = 0; i < fit / 4; ++i)
+    ASSERT_TRUE(WriteChain(store.get(), "b", i, 1).ok());
+  store->RunMaintenance(absl::Now());
+  for (int i = 0; i < mine; ++i) EXPECT_TRUE(Stored(store.get(), "a", i)) << i;
+  EXPECT_FALSE(Stored(store.get(), "b", 0));
+  EXPECT_LE(static_cast<double>(store->Stats().used_bytes),
+            0.5 * static_cast<double>(capacity));
 }
 
 TEST(StoreTest, BadKeysAreInvalidArgument) {

@@ -17,6 +17,7 @@
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "service/node.h"
 #include "tests/test_pki.h"
+#include "tests/test_tenants.h"
 
 namespace kvcache {
 namespace {
@@ -48,6 +49,7 @@ class TlsTest : public ::testing::Test {
     options.tls.key_file = server_.key;
     options.tls.client_ca_file = client_ca;
     options.tls.refresh_interval = absl::Seconds(1);
+    options.tenants_file = tenants_file_;
     node_ = std::make_unique<service::Node>(options);
     absl::Status started = node_->Start();
     ASSERT_TRUE(started.ok()) << started;
@@ -82,6 +84,7 @@ class TlsTest : public ::testing::Test {
 
   TestPki pki_;
   PemPair ca_, server_;
+  std::string tenants_file_;  // empty: the node runs open
   std::unique_ptr<service::Node> node_;
 };
 
@@ -208,6 +211,59 @@ TEST_F(TlsTest, TheClientLibrarySpeaksTlsAndMtls) {
   missing.tls.ca_file = "/nonexistent/ca.pem";
   EXPECT_EQ(Client::Connect(missing).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// With tenants, a client certificate's identity (a URI SAN) is a tenant's
+// credential: no token needed; a certificate that names no tenant, or a
+// wrong token with a good certificate, is UNAUTHENTICATED.
+TEST_F(TlsTest, AClientCertificateIdentityIsATenantsCredential) {
+  auto client_ca = pki_.MakeCa("client-ca");
+  ASSERT_TRUE(client_ca.ok()) << client_ca.status();
+  auto worker = pki_.Issue(*client_ca, "worker", "URI:spiffe://kvcache/m");
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  auto other = pki_.Issue(*client_ca, "other", "URI:spiffe://kvcache/other");
+  ASSERT_TRUE(other.ok()) << other.status();
+  kvcache::testing::TestTenantsFile tenants;
+  tenants.Write(
+      "tenants { name: \"m\" identities: \"spiffe://kvcache/m\" "
+      "namespace_prefixes: \"m/\" role: ROLE_WRITE }\n");
+  tenants_file_ = tenants.path();
+  StartNode(client_ca->cert);
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", node_->port());
+  options.timeout = absl::Seconds(5);
+  options.tls.ca_file = ca_.cert;
+  options.tls.cert_file = worker->cert;
+  options.tls.key_file = worker->key;
+  options.tls.server_name = "localhost";
+  auto client = Client::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  NamespaceSpec spec;
+  spec.name = "m/tls";
+  spec.shape = {2, 1, 32, 16};
+  spec.policy = CodecPolicy{};
+  EXPECT_TRUE((*client)->RegisterNamespace(spec).ok());
+  auto stats = (*client)->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_TRUE(stats->tenant.has_value());
+  EXPECT_EQ(stats->tenant->name, "m");
+  spec.name = "x/tls";
+  EXPECT_EQ((*client)->RegisterNamespace(spec).status().code(),
+            absl::StatusCode::kPermissionDenied);
+
+  ClientOptions stranger = options;
+  stranger.tls.cert_file = other->cert;
+  stranger.tls.key_file = other->key;
+  auto unknown = Client::Connect(stranger);
+  ASSERT_TRUE(unknown.ok());
+  EXPECT_EQ((*unknown)->Stats().status().code(),
+            absl::StatusCode::kUnauthenticated);
+  ClientOptions wrong_token = options;
+  wrong_token.bearer_token = "not-a-tenants-token";
+  auto wrong = Client::Connect(wrong_token);
+  ASSERT_TRUE(wrong.ok());
+  EXPECT_EQ((*wrong)->Stats().status().code(),
+            absl::StatusCode::kUnauthenticated);
 }
 
 TEST(TlsOptionsTest, MissingOrHalfGivenFilesAreRefusedNamingTheFlag) {

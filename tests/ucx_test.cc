@@ -1607,7 +1607,8 @@ TEST_P(UcxTest, MismatchedTcpSegmentSizesKeepTheClientOffUcxNotAbortingAPeer) {
   // inline at once instead of opening a UCX read first and ending it.
   auto end_reads = [&] {
     return MetricValue(node_->metrics()->Render(),
-                       "kvcache_requests_total{code=\"OK\",op=\"end_read\"}");
+                       "kvcache_requests_total{code=\"OK\",op=\"end_read\","
+                       "tenant=\"open\"}");
   };
   for (int i = 0; i < 3; ++i) {
     auto more = auto_client->Get("seg", Keys(0, 3));

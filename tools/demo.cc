@@ -41,6 +41,7 @@ struct Args {
   int conversations = 16;
   int turns = 3;
   uint64_t seed = 1;
+  std::string token_file;  // a tenant's bearer token (--token-file)
   std::vector<Codec> codecs = {Codec::kNone, Codec::kFp8E4M3, Codec::kKivi4,
                                Codec::kKivi2};
 };
@@ -142,6 +143,8 @@ bool ParseArgs(int argc, char** argv, Args* args) {
       if (!absl::SimpleAtoi(a, &args->turns)) return false;
     } else if (absl::ConsumePrefix(&a, "--seed=")) {
       if (!absl::SimpleAtoi(a, &args->seed)) return false;
+    } else if (absl::ConsumePrefix(&a, "--token-file=")) {
+      args->token_file = std::string(a);
     } else {
       return false;
     }
@@ -156,11 +159,17 @@ int main(int argc, char** argv) {
   if (!ParseArgs(argc, argv, &args)) {
     std::fprintf(stderr,
                  "usage: kvcache-demo [--node=HOST:PORT] [--metrics=HOST:PORT]"
-                 " [--conversations=N] [--turns=N] [--seed=N]\n");
+                 " [--conversations=N] [--turns=N] [--seed=N]"
+                 " [--token-file=FILE]\n");
     return 2;
   }
   kvcache::ClientOptions options;
   options.target = args.node;
+  if (!args.token_file.empty()) {
+    auto token = kvcache::ReadBearerTokenFile(args.token_file);
+    if (!token.ok()) return Fail("--token-file", token.status());
+    options.bearer_token = *std::move(token);
+  }
   auto client = kvcache::Client::Connect(options);
   if (!client.ok()) return Fail("connect", client.status());
 

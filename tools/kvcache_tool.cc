@@ -5,6 +5,7 @@
 //                          [--scale dynamic|FLOAT] IN.npy OUT.npy
 //   kvcache-tool eval [--synthetic SEED | K.npy V.npy Q.npy]
 //                     [--tokens-per-block N]
+//   kvcache-tool hash-token [--token-file FILE]
 //   kvcache-tool node-roundtrip --node HOST:PORT --codec C ... K V OUTK OUTV
 //
 // roundtrip: IN is fp16 [tokens, kv_heads, head_dim], one layer's keys or
@@ -13,14 +14,25 @@
 // of every codec: elementwise relative RMSE of K and V, relative error of
 // the attention output softmax(q K^T / sqrt(d)) V and the KL divergence of
 // the attention probabilities, on synthetic KV or on given tensors.
+// hash-token: the token_sha256 a tenants file (kvcache-node --tenants)
+// holds for a bearer token: the SHA-256, in lowercase hex, of the token read
+// from FILE or standard input (its first line, surrounding whitespace
+// removed, as the clients' --token-file reads it).
 // Errors print one line on stderr and exit 1 (2 for usage errors).
+#include <openssl/sha.h>
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iostream>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/codec.h"
@@ -42,6 +54,7 @@ constexpr char kUsage[] =
     "      IN.npy OUT.npy\n"
     "  kvcache-tool eval [--synthetic SEED | K.npy V.npy Q.npy]\n"
     "      [--tokens-per-block N]\n"
+    "  kvcache-tool hash-token [--token-file FILE]   (else standard input)\n"
     "  kvcache-tool node-roundtrip (the whole prefix through a real node;\n"
     "      tools/node_roundtrip.h)\n";
 
@@ -299,6 +312,37 @@ int Eval(const std::vector<std::string>& args) {
   return 0;
 }
 
+int HashToken(const std::vector<std::string>& args) {
+  std::string path;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--token-file" && i + 1 < args.size()) {
+      path = args[++i];
+    } else if (absl::StartsWith(args[i], "--token-file=")) {
+      path = args[i].substr(std::strlen("--token-file="));
+    } else {
+      return Usage("unknown flag " + args[i]);
+    }
+  }
+  std::string line;
+  if (path.empty()) {
+    std::getline(std::cin, line);
+  } else {
+    std::ifstream in(path);
+    if (!in) return Error("cannot read " + path);
+    std::getline(in, line);
+  }
+  const std::string token(absl::StripAsciiWhitespace(line));
+  if (token.empty()) return Error("no token (an empty first line)");
+  unsigned char hash[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(token.data()), token.size(),
+         hash);
+  std::printf("%s\n", absl::BytesToHexString(
+                          absl::string_view(reinterpret_cast<char*>(hash),
+                                            sizeof(hash)))
+                          .c_str());
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "--help" || args[0] == "help") {
@@ -309,6 +353,7 @@ int Main(int argc, char** argv) {
   args.erase(args.begin());
   if (command == "roundtrip") return Roundtrip(args);
   if (command == "eval") return Eval(args);
+  if (command == "hash-token") return HashToken(args);
   if (command == "node-roundtrip") return NodeRoundtrip(args);
   return Usage("unknown command '" + command + "'");
 }

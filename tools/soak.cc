@@ -62,6 +62,10 @@ struct Args {
   std::string node_bin;
   std::string node_memory = "host:24MiB";
   int worker = -1;  // >= 0: this process is worker K
+  // A tenant's bearer token for --nodes run with --tenants (the tenant must
+  // own the soak/ namespaces); empty: none.
+  std::string token_file;
+  std::string token;  // read from token_file
 };
 
 struct Role {
@@ -477,6 +481,7 @@ int WorkerMain(const Args& a) {
     ClientOptions o;
     o.target = node;
     o.data_plane = plane;
+    o.bearer_token = a.token;
     absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
     if (!c.ok()) return Fail("connect", c.status());
     direct.push_back(c->get());
@@ -485,6 +490,7 @@ int WorkerMain(const Args& a) {
   ClusterOptions co;
   co.nodes = a.nodes;
   co.data_plane = plane;
+  co.bearer_token = a.token;
   co.default_timeout = absl::Seconds(10);
   co.rpc_timeout = absl::Seconds(5);
   absl::StatusOr<std::unique_ptr<ClusterClient>> cluster =
@@ -594,11 +600,13 @@ void PrintReport(const Tally& t, double seconds) {
 
 // Data-loss events the nodes counted (a stored block that failed its
 // checksum): none may happen.
-uint64_t NodeDataLoss(const std::vector<std::string>& nodes) {
+uint64_t NodeDataLoss(const std::vector<std::string>& nodes,
+                      const std::string& token) {
   uint64_t total = 0;
   for (const std::string& node : nodes) {
     ClientOptions o;
     o.target = node;
+    o.bearer_token = token;
     o.data_plane = DataPlane::kGrpc;
     absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
     if (!c.ok()) continue;
@@ -711,13 +719,13 @@ int ParentMain(const Args& a, const char* argv0) {
     std::map<std::string, std::string> env = {{"UCX_NET_DEVICES", "lo"}};
     env["UCX_TLS"] = role.ucx_tls ? role.ucx_tls : "";
     logs.push_back(absl::StrCat(work, "/worker", k, ".log"));
-    absl::StatusOr<Child> c =
-        Child::Spawn({self, absl::StrCat("--worker=", k),
-                      absl::StrCat("--nodes=", absl::StrJoin(addresses, ",")),
-                      absl::StrCat("--duration=", a.duration_s),
-                      absl::StrCat("--threads=", a.threads),
-                      absl::StrCat("--seed=", a.seed)},
-                     env, logs.back());
+    absl::StatusOr<Child> c = Child::Spawn(
+        {self, absl::StrCat("--worker=", k),
+         absl::StrCat("--nodes=", absl::StrJoin(addresses, ",")),
+         absl::StrCat("--duration=", a.duration_s),
+         absl::StrCat("--threads=", a.threads), absl::StrCat("--seed=", a.seed),
+         absl::StrCat("--token-file=", a.token_file)},
+        env, logs.back());
     if (!c.ok()) return Fail("start worker", c.status());
     workers.push_back(*std::move(c));
   }
@@ -726,7 +734,7 @@ int ParentMain(const Args& a, const char* argv0) {
       &workers, logs, start + absl::Seconds(a.duration_s + 120), &total);
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   PrintReport(total, seconds);
-  const uint64_t data_loss = NodeDataLoss(addresses);
+  const uint64_t data_loss = NodeDataLoss(addresses, a.token);
   const int nodes_failed = StopNodes(&nodes);
   const bool ok = failed == 0 && total.wrong == 0 && total.unexpected == 0 &&
                   data_loss == 0 && nodes_failed == 0;
@@ -754,6 +762,13 @@ bool ParseArgs(int argc, char** argv, Args* a) {
       a->node_memory = std::string(v);
     } else if (absl::ConsumePrefix(&v, "--worker=")) {
       ok = absl::SimpleAtoi(v, &a->worker) && a->worker >= 0;
+    } else if (absl::ConsumePrefix(&v, "--token-file=")) {
+      a->token_file = std::string(v);
+      if (!a->token_file.empty()) {
+        absl::StatusOr<std::string> token = ReadBearerTokenFile(a->token_file);
+        ok = token.ok();
+        if (ok) a->token = *std::move(token);
+      }
     } else {
       ok = false;
     }
@@ -775,7 +790,8 @@ int main(int argc, char** argv) {
                  "usage: kvcache-soak [--duration=SECONDS] [--processes=N] "
                  "[--threads=N] [--seed=N]\n"
                  "         [--nodes=HOST:PORT,... | --node-bin=PATH "
-                 "--node-memory=host:24MiB]\n");
+                 "--node-memory=host:24MiB]\n"
+                 "         [--token-file=FILE]\n");
     return 64;
   }
   signal(SIGPIPE, SIG_IGN);

@@ -35,6 +35,7 @@ namespace kvcache::examples {
 struct WorkerArgs {
   std::vector<std::string> nodes;  // --nodes=host:port,host:port
   std::string dns;                 // --dns=name:port
+  std::string token_file;          // --token-file: a tenant's bearer token
   std::string ns = "example/llama-8L";
   Codec codec = Codec::kNone;
   uint32_t prompt_tokens = 1000;
@@ -61,7 +62,7 @@ inline const char* kCommonUsage =
     "  [--segment-blocks=N]\n"
     "  [--layers=N] [--kv-heads=N] [--head-dim=N] [--tokens-per-block=N]\n"
     "  [--engine-block-size=N] [--layout=nhd|hnd] [--format=fp16|raw]\n"
-    "  [--timeout-ms=N]\n";
+    "  [--timeout-ms=N] [--token-file=FILE]\n";
 
 template <typename T>
 bool ParseNumber(absl::string_view v, T* out) {
@@ -115,6 +116,8 @@ inline bool ParseArgs(int argc, char** argv, WorkerArgs* a) {
       a->format = v == "raw" ? ReadFormat::kRaw : ReadFormat::kFp16;
     } else if (flag("--timeout-ms=")) {
       ok = ParseNumber(v, &a->timeout_ms) && a->timeout_ms > 0;
+    } else if (flag("--token-file=")) {
+      a->token_file = std::string(v);
     } else {
       ok = false;
     }
@@ -150,6 +153,11 @@ inline absl::StatusOr<std::unique_ptr<ClusterClient>> MakeClient(
   }
   o.default_timeout = absl::Milliseconds(a.timeout_ms);
   if (a.segment_blocks > 0) o.routing_prefix_bytes = kRoutingTagBytes;
+  if (!a.token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadBearerTokenFile(a.token_file);
+    if (!token.ok()) return token.status();
+    o.bearer_token = *std::move(token);
+  }
   return ClusterClient::Create(std::move(o));
 }
 

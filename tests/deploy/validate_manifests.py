@@ -13,7 +13,8 @@
 2. Policy: the things the kvcache deployment relies on and no schema checks:
    probes are native gRPC probes on the health port the flags file sets,
    the grace period exceeds --drain-timeout, selectors match, the GPU sits
-   under limits in the gpu/rdma overlays, and so on.
+   under limits in the gpu/rdma overlays, --tenants names a key of a Secret
+   mounted as a directory, and so on.
 
 Exit status 0 when everything passes, 1 otherwise.
 """
@@ -118,6 +119,32 @@ def quantity_gi(q):
 
 def matches(selector, labels):
     return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def tenants_errors(flags, spec, container, by_kind):
+    """--tenants names a key of a Secret mounted as a directory (not a
+    subPath: the kubelet then updates the file in place and the node reloads
+    it) that the output holds."""
+    path = flags.get("tenants")
+    if not path:
+        return ["node.flags lacks --tenants (the nodes would run open)"]
+    directory, _, key = path.rpartition("/")
+    mounts = [m for m in container.get("volumeMounts", []) if m["mountPath"] == directory]
+    if not mounts:
+        return [f"--tenants={path}: no volume is mounted at {directory}"]
+    if mounts[0].get("subPath"):
+        return [f"--tenants={path}: mounted with subPath, so Secret updates never reach it"]
+    vols = {v["name"]: v for v in spec.get("volumes", [])}
+    secret = vols.get(mounts[0]["name"], {}).get("secret", {}).get("secretName")
+    if not secret:
+        return [f"--tenants={path}: the volume at {directory} is not a Secret"]
+    found = [s for s in by_kind.get("Secret", []) if s["metadata"]["name"] == secret]
+    if not found:
+        return [f"--tenants={path}: Secret {secret} is not in the output"]
+    data = {**found[0].get("data", {}), **found[0].get("stringData", {})}
+    if key not in data:
+        return [f"--tenants={path}: Secret {secret} has no key {key}"]
+    return []
 
 
 def data_plane_errors(flags, container, ports, labels, policies):
@@ -232,6 +259,7 @@ def policy_errors(docs, overlay):
             errs.append(f"{probe} is not a native gRPC probe")
         elif p["grpc"].get("port") != health:
             errs.append(f"{probe} probes port {p['grpc'].get('port')}, health port is {health}")
+    errs += tenants_errors(flags, spec, c, by_kind)
     grace = spec.get("terminationGracePeriodSeconds", 30)
     drain = int(flags["drain-timeout"])
     if grace <= drain:

@@ -74,6 +74,12 @@ struct ClientOptions {
   // Empty ca_file: plaintext. INVALID_ARGUMENT at Connect for a file that
   // cannot be read, or a certificate without its key.
   TlsOptions tls;
+  // The tenant's bearer token for a node run with --tenants, sent as
+  // `authorization: Bearer TOKEN` with every call; empty: none (an open
+  // node, or a tenant known by its client certificate). Printable ASCII
+  // without spaces, else INVALID_ARGUMENT at Connect. Without TLS it
+  // crosses the network readable.
+  std::string bearer_token;
   // A call's budget when its CallOptions give neither timeout nor deadline.
   absl::Duration timeout = absl::Seconds(10);
   // Largest gRPC message either way; a Put larger than this is split.
@@ -84,6 +90,11 @@ struct ClientOptions {
   // fresh mapping and nodes keep their keys; 0 frees at once.
   size_t max_idle_buffer_bytes = size_t{256} << 20;
 };
+
+// The bearer token in file `path` (its first line, surrounding whitespace
+// removed), as tools take it with --token-file. INVALID_ARGUMENT when the
+// file cannot be read or holds no token.
+absl::StatusOr<std::string> ReadBearerTokenFile(const std::string& path);
 
 struct NamespaceSpec {
   std::string name;
@@ -182,14 +193,26 @@ struct NamespaceUsage {
   std::map<std::string, uint64_t> tokens_that_fit;  // by codec name
 };
 
+// A node run with --tenants: the caller's tenant and its share.
+struct TenantUsage {
+  std::string name;
+  uint64_t pool_bytes_used = 0;   // its blocks and open writes
+  uint64_t pool_bytes_quota = 0;  // 0: no share
+  uint32_t namespaces = 0;
+  uint32_t max_namespaces = 0;  // 0: no limit but the node's
+};
+
 struct NodeStats {
   uint64_t capacity_bytes = 0;
   uint64_t used_bytes = 0;
   uint64_t reserved_bytes = 0;
   uint64_t pinned_bytes = 0;
   uint64_t fragmentation_bytes = 0;
-  std::map<std::string, CodecUsage> codecs;          // by codec name
-  std::map<std::string, NamespaceUsage> namespaces;  // by namespace name
+  std::map<std::string, CodecUsage> codecs;  // by codec name
+  // By namespace name; on a node with tenants, only the caller's (an
+  // admin's: all).
+  std::map<std::string, NamespaceUsage> namespaces;
+  std::optional<TenantUsage> tenant;  // set by a node with tenants
   uint64_t evictions = 0;
   uint64_t data_loss_events = 0;
   uint64_t lookup_hits = 0;
@@ -361,6 +384,13 @@ class Client {
                                   const CallOptions& call = {});
 
   absl::StatusOr<NodeStats> Stats(const CallOptions& call = {});
+
+  // Drops namespace `ns`: its blocks, its leases (their ids go stale) and
+  // its registration; returns the number of blocks dropped. NOT_FOUND when
+  // it is not registered; on a node with tenants, its owner or an admin
+  // may (PERMISSION_DENIED otherwise).
+  absl::StatusOr<uint64_t> DropNamespace(const std::string& ns,
+                                         const CallOptions& call = {});
 
  private:
   struct Impl;

@@ -50,6 +50,9 @@ struct ClusterOptions {
   DataPlane data_plane = DataPlane::kAuto;
   // TLS to every node (ClientOptions::tls).
   TlsOptions tls;
+  // The tenant's bearer token for nodes run with --tenants
+  // (ClientOptions::bearer_token).
+  std::string bearer_token;
 };
 
 }  // namespace kvcache
