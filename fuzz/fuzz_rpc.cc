@@ -8,7 +8,9 @@
 //
 // An input is a sequence of up to kMaxCalls calls, each
 //   u8 op, u16 length (little-endian), `length` bytes
-// where (op & 0x7f) % 9 names the RPC (RunOne) and the bytes are parsed
+// where (op & 0x7f) % 9 names the RPC (RunOne; 0x7f alone names
+// DropNamespace, so that the inputs of the nine older RPCs keep their
+// meaning) and the bytes are parsed
 // (ParseFromArray) as its request; a call whose bytes do not parse is
 // skipped. With op & 0x80 the call is aimed at namespace "fuzz" and its ids
 // are replaced by the last ones the node returned (write_id of BeginWrite,
@@ -16,7 +18,8 @@
 // and end. Every answer must carry a
 // status code of BRIEF section 5's set; any other code aborts. After the
 // sequence, the writes and leases it opened are ended, so that inputs do
-// not depend on one another beyond the blocks they stored.
+// not depend on one another beyond the blocks they stored; a sequence that
+// dropped namespace "fuzz" has it registered and populated again.
 // KVCACHE_FUZZ_RPC_VERBOSE=1 prints every call's answer.
 #include <algorithm>
 #include <chrono>
@@ -97,6 +100,13 @@ class FuzzNode {
 
   v1::KvCache::Stub* stub() { return stub_.get(); }
   store::Store* store() { return store_.get(); }
+  // After a sequence that dropped namespace "fuzz": as it was at the start.
+  void RestoreIfDropped() {
+    if (store_->GetNamespace(kNamespace).status().code() ==
+        absl::StatusCode::kNotFound) {
+      Populate();
+    }
+  }
 
  private:
   [[noreturn]] static void Die(const char* what, const absl::Status& s) {
@@ -213,6 +223,15 @@ void RunOne(v1::KvCache::Stub* stub, int op, absl::string_view bytes,
             Ids* ids) {
   using v1::KvCache;
   const bool patch = (op & 0x80) != 0;
+  if ((op & 0x7f) == 0x7f) {
+    Call<v1::DropNamespaceRequest, v1::DropNamespaceResponse>(
+        "DropNamespace", bytes, patch, ids,
+        [](v1::DropNamespaceRequest* r, const Ids&) {
+          r->set_namespace_name(kNamespace);
+        },
+        &KvCache::Stub::DropNamespace, nullptr, stub);
+    return;
+  }
   switch ((op & 0x7f) % 9) {
     case 0:
       Call<v1::RegisterNamespaceRequest, v1::RegisterNamespaceResponse>(
@@ -336,6 +355,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     at += n;
   }
   kvcache::service::Cleanup(node->stub(), ids);
+  node->RestoreIfDropped();
   // What the node's reaper does, now and then: expiry and eviction.
   if (++runs % 1024 == 0) node->store()->RunMaintenance(absl::Now());
   return 0;

@@ -281,6 +281,18 @@ void Rpcs() {
   del.add_keys("w0");
   Write("fuzz_rpc", "delete_stats",
         Calls().Add(7, del).Add(8, v1::StatsRequest()).bytes());
+  // DropNamespace (op 0x7f): of a namespace just registered, then of "fuzz"
+  // itself (patched), which the target restores after the sequence.
+  v1::DropNamespaceRequest drop;
+  drop.set_namespace_name("seed-kivi");
+  v1::LookupRequest lookup_fuzz;
+  Write("fuzz_rpc", "register_drop",
+        Calls()
+            .Add(0, reg)
+            .Add(0x7f, drop)
+            .Add(0x7f | kPatch, v1::DropNamespaceRequest())
+            .Add(1 | kPatch, lookup_fuzz)
+            .bytes());
 }
 
 }  // namespace
