@@ -157,6 +157,11 @@ class TenantsTest : public ::testing::Test {
     options.tenants_file = file_.path();
     options.tenants_refresh = absl::Milliseconds(100);
     options.reaper_interval = absl::Milliseconds(50);
+    // No background (watermark) eviction: the pool holds what the tests put
+    // until a write evicts, so that "the pool is full" is true when a test
+    // says so (a reaper pass between two calls freed space and made a write
+    // over its share succeed: seen under ASan in CI).
+    options.store.high_watermark = 1;
     node_ = std::make_unique<service::Node>(options);
     absl::Status started = node_->Start();
     ASSERT_TRUE(started.ok()) << started;
