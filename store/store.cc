@@ -1,6 +1,7 @@
 #include "store/store.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -119,12 +120,23 @@ struct Store::Entry {
   uint32_t pins = 0;
   uint16_t ns_id = 0;
   uint8_t shard = 0;
-  uint8_t flags = 0;
+  // Written under the shard's mutex, and read without it by a reader of a
+  // pinned entry (kResidual does not change while pinned, but other bits
+  // of the byte do: a delete or a drop marks it kRemoved): relaxed atomics
+  // make those reads race-free (ThreadSanitizer found one under
+  // StoreOwnerTest.DropsRacingWithWritesAndReadsKeepTheAccountingExact).
+  std::atomic<uint8_t> flags{0};
   uint16_t owner = 0;  // its namespace's (fills what was padding)
   absl::InlinedVector<char, 16> key;
 
-  bool is(EntryFlags f) const { return (flags & f) != 0; }
-  void set(EntryFlags f, bool on) { flags = on ? (flags | f) : (flags & ~f); }
+  bool is(EntryFlags f) const {
+    return (flags.load(std::memory_order_relaxed) & f) != 0;
+  }
+  void set(EntryFlags f, bool on) {
+    const uint8_t v = flags.load(std::memory_order_relaxed);
+    flags.store(static_cast<uint8_t>(on ? (v | f) : (v & ~f)),
+                std::memory_order_relaxed);
+  }
   absl::string_view key_view() const { return {key.data(), key.size()}; }
 };
 
@@ -186,7 +198,7 @@ struct Store::Shard {
     e->children = e->pins = 0;
     e->ns_id = 0;
     e->shard = id;
-    e->flags = 0;
+    e->flags.store(0, std::memory_order_relaxed);
     e->owner = 0;
     e->key.clear();
     return e;
@@ -195,7 +207,7 @@ struct Store::Shard {
     e->key.clear();
     e->key.shrink_to_fit();
     e->serial = 0;
-    e->flags = 0;
+    e->flags.store(0, std::memory_order_relaxed);
     e->parent = free_entries;
     free_entries = e;
   }
