@@ -141,6 +141,27 @@ service::NodeOptions DefaultUcxNode() {
   return options;  // options.ucx as by default
 }
 
+// A codec-none namespace, so that what is read back is what was written.
+NamespaceSpec PlainSpec(const std::string& name) {
+  NamespaceSpec spec;
+  spec.name = name;
+  spec.model = "default-test";
+  spec.shape = SmallShape();
+  CodecPolicy policy;
+  policy.codec = Codec::kNone;
+  spec.policy = policy;
+  return spec;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> ConnectTo(const service::Node& node,
+                                                  DataPlane plane) {
+  ClientOptions copts;
+  copts.target = absl::StrCat("127.0.0.1:", node.port());
+  copts.timeout = absl::Seconds(20);
+  copts.data_plane = plane;
+  return Client::Connect(copts);
+}
+
 TEST(DataPlaneDefaultTest, TransportsLeaveTcpOutOrAreRefused) {
   EXPECT_EQ(*ucx::TransportsWithoutTcp(""), "^tcp");
   EXPECT_EQ(*ucx::TransportsWithoutTcp("posix,sysv,self"), "posix,sysv,self");
@@ -182,19 +203,10 @@ TEST(DataPlaneDefaultTest,
   // Alive and serving, the data plane included: a client on this host
   // moves its bytes over shared memory.
   ScopedEnv shm("UCX_TLS", "posix,sysv,self");
-  ClientOptions copts;
-  copts.target = absl::StrCat("127.0.0.1:", node.port());
-  copts.timeout = absl::Seconds(20);
-  copts.data_plane = DataPlane::kUcx;
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(copts);
+  absl::StatusOr<std::unique_ptr<Client>> client =
+      ConnectTo(node, DataPlane::kUcx);
   ASSERT_TRUE(client.ok()) << client.status();
-  NamespaceSpec spec;
-  spec.name = "safe";
-  spec.model = "default-test";
-  spec.shape = SmallShape();
-  CodecPolicy policy;
-  policy.codec = Codec::kNone;
-  spec.policy = policy;
+  const NamespaceSpec spec = PlainSpec("safe");
   ASSERT_TRUE((*client)->RegisterNamespace(spec).ok());
   const std::vector<uint16_t> data = RandomBlock(spec.shape, 1);
   const BlockWrite write{Key(1), "", data};
@@ -224,22 +236,12 @@ TEST(DataPlaneDefaultTest, AClientWithoutASharedTransportUsesGrpc) {
   }
   ScopedEnv tcp_only("UCX_TLS", "tcp");
   ScopedEnv loopback("UCX_NET_DEVICES", "lo");
-  NamespaceSpec spec;
-  spec.name = "remote";
-  spec.model = "default-test";
-  spec.shape = SmallShape();
-  CodecPolicy policy;
-  policy.codec = Codec::kNone;
-  spec.policy = policy;
+  const NamespaceSpec spec = PlainSpec("remote");
   const std::vector<uint16_t> data = RandomBlock(spec.shape, 2);
   for (DataPlane plane : {DataPlane::kAuto, DataPlane::kUcx}) {
     const std::string key = Key(plane == DataPlane::kAuto ? 2 : 3);
     const BlockWrite write{key, "", data};
-    ClientOptions copts;
-    copts.target = absl::StrCat("127.0.0.1:", node->port());
-    copts.timeout = absl::Seconds(20);
-    copts.data_plane = plane;
-    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(copts);
+    absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(*node, plane);
     ASSERT_TRUE(client.ok()) << client.status();
     ASSERT_TRUE((*client)->RegisterNamespace(spec).ok());
     const absl::Time start = absl::Now();
