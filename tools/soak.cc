@@ -22,6 +22,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -83,6 +84,8 @@ constexpr Role kRoles[] = {{"ucx-tcp", "tcp", false},
 struct Tally {
   std::map<std::string, uint64_t> ops;    // by operation
   std::map<std::string, uint64_t> codes;  // by status code, errors only
+  // By operation: the longest one (ms) and how many took over a second.
+  std::map<std::string, uint64_t> max_ms, slow;
   uint64_t bytes_read = 0, bytes_written = 0, blocks_checked = 0;
   uint64_t wrong = 0, unexpected = 0;
   std::string first_problem;
@@ -90,6 +93,8 @@ struct Tally {
   void Merge(const Tally& t) {
     for (const auto& [k, v] : t.ops) ops[k] += v;
     for (const auto& [k, v] : t.codes) codes[k] += v;
+    for (const auto& [k, v] : t.max_ms) max_ms[k] = std::max(max_ms[k], v);
+    for (const auto& [k, v] : t.slow) slow[k] += v;
     bytes_read += t.bytes_read;
     bytes_written += t.bytes_written;
     blocks_checked += t.blocks_checked;
@@ -113,6 +118,7 @@ class Worker {
 
   void Run(absl::Time until) {
     while (absl::Now() < until) {
+      const absl::Time start = absl::Now();
       const int pick = static_cast<int>(rng_() % 100);
       if (pick < 30) {
         Put();
@@ -129,6 +135,12 @@ class Worker {
       } else {
         Stats();
       }
+      // Attributed to the operation counted last (an operation's first
+      // step may be counted under another name, e.g. allocate_buffer).
+      const uint64_t ms = absl::ToInt64Milliseconds(absl::Now() - start);
+      uint64_t& max = tally_.max_ms[last_op_];
+      max = std::max(max, ms);
+      if (ms > 1000) ++tally_.slow[last_op_];
     }
   }
   const Tally& tally() const { return tally_; }
@@ -164,6 +176,7 @@ class Worker {
   // Counts a call's status; false when it is not OK.
   bool Count(const std::string& op, const absl::Status& status) {
     ++tally_.ops[op];
+    last_op_ = op;
     if (status.ok()) return true;
     const std::string code = absl::StatusCodeToString(status.code());
     ++tally_.codes[code];
@@ -238,6 +251,7 @@ class Worker {
   Verifier* const verifier_;
   std::mt19937_64 rng_;
   const std::vector<SoakNamespace> namespaces_;
+  std::string last_op_;
   Tally tally_;
   int problems_ = 0;
 };
@@ -469,6 +483,12 @@ std::string FormatTally(const Tally& t) {
   for (const auto& [k, v] : t.codes) {
     parts.push_back(absl::StrCat("code.", k, "=", v));
   }
+  for (const auto& [k, v] : t.max_ms) {
+    parts.push_back(absl::StrCat("max_ms.", k, "=", v));
+  }
+  for (const auto& [k, v] : t.slow) {
+    parts.push_back(absl::StrCat("slow.", k, "=", v));
+  }
   return absl::StrJoin(parts, " ");
 }
 
@@ -546,6 +566,11 @@ bool ParseTally(const std::string& log, Tally* t) {
         t->ops[std::string(k)] += v;
       } else if (absl::ConsumePrefix(&k, "code.")) {
         t->codes[std::string(k)] += v;
+      } else if (absl::ConsumePrefix(&k, "max_ms.")) {
+        uint64_t& max = t->max_ms[std::string(k)];
+        max = std::max(max, v);
+      } else if (absl::ConsumePrefix(&k, "slow.")) {
+        t->slow[std::string(k)] += v;
       } else if (k == "bytes_read") {
         t->bytes_read += v;
       } else if (k == "bytes_written") {
@@ -576,9 +601,16 @@ void PrintReport(const Tally& t, double seconds) {
   const uint64_t ops = OpCount(t);
   std::printf("operations: %llu in %.0f s (%.0f/s)\n",
               static_cast<unsigned long long>(ops), seconds, ops / seconds);
+  std::printf("  %-30s %10s %10s %8s\n", "", "count", "max ms", ">1 s");
   for (const auto& [k, v] : t.ops) {
-    std::printf("  %-28s %10llu\n", k.c_str(),
-                static_cast<unsigned long long>(v));
+    auto max = t.max_ms.find(k);
+    auto slow = t.slow.find(k);
+    std::printf("  %-30s %10llu %10llu %8llu\n", k.c_str(),
+                static_cast<unsigned long long>(v),
+                static_cast<unsigned long long>(
+                    max == t.max_ms.end() ? 0 : max->second),
+                static_cast<unsigned long long>(
+                    slow == t.slow.end() ? 0 : slow->second));
   }
   std::printf(
       "bytes: %.1f MiB read and verified (%llu blocks), %.1f MiB "

@@ -24,6 +24,15 @@ namespace {
 
 // After a force-close, how long UCX may take to fail what was in flight.
 constexpr absl::Duration kCloseGrace = absl::Seconds(10);
+// How long a transfer past its call's deadline (or cancelled, or
+// abandoned) may take to end on its own before its connection is
+// force-closed. Closing fails every other call of the process on that
+// connection, and over TCP UCX shares one TCP connection between the
+// endpoints of two workers, so a force-close can also lose messages of the
+// connections made after it (measured: kvcache-soak's chaos worker saw
+// calls on fresh connections wait to their deadlines). A node that is
+// answering ends the transfer well within this; a stuck one is closed.
+constexpr absl::Duration kSettleGrace = absl::Milliseconds(250);
 // How long an abandoned read on a connection without peer failure handling
 // may take to end on its own before its connection is closed anyway.
 constexpr absl::Duration kAbandonGrace = absl::Seconds(5);
@@ -70,9 +79,10 @@ struct SendState {
 };
 
 // Waits for sends until `deadline`, calling `check_connection` every
-// kConnectCheckInterval meanwhile; past it, calls `force_close` (which
-// fails whatever is in flight) and waits, bounded, for the sends to end, so
-// that no send touches the caller's bytes after this returns.
+// kConnectCheckInterval meanwhile; past it, gives them kSettleGrace more,
+// then calls `force_close` (which fails whatever is in flight) and waits,
+// bounded, for the sends to end, so that no send touches the caller's
+// bytes after this returns.
 absl::Status WaitForSends(SendState& state, absl::Time deadline,
                           absl::FunctionRef<void()> force_close,
                           absl::FunctionRef<void()> check_connection) {
@@ -83,6 +93,11 @@ absl::Status WaitForSends(SendState& state, absl::Time deadline,
     if (next < deadline) {
       check_connection();
       continue;
+    }
+    if (state.WaitUntil(absl::Now() + kSettleGrace)) {
+      // Sent after all, just late: nothing to close.
+      return absl::DeadlineExceededError(
+          "sending over the data plane passed the call's deadline");
     }
     force_close();
     if (!state.WaitUntil(absl::Now() + kCloseGrace)) {
@@ -765,14 +780,14 @@ ClientPlane::Read::~Read() {
   {
     MutexLock lock(&s->mu);
     if (s->detached) return;
-    if (!s->close_stops_puts) {
-      // Closing would not stop the node's puts (shared memory): let the read
-      // end on its own, bounded, so that none lands after the region goes.
-      s->cv.WaitFor(&s->mu, kAbandonGrace,
-                    [s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
-                      return s->finished || s->detached;
-                    });
-    }
+    // Let the read end on its own first, so that no put lands after the
+    // region goes without closing the connection other calls share:
+    // briefly where closing stops the node's puts, longer where it does not
+    // (shared memory).
+    s->cv.WaitFor(&s->mu, s->close_stops_puts ? kSettleGrace : kAbandonGrace,
+                  [s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+                    return s->finished || s->detached;
+                  });
     if (s->finished) {
       // Ended: detached at once, or once the data messages still being
       // received into the region have landed (bounded; then closing fails
@@ -786,6 +801,18 @@ ClientPlane::Read::~Read() {
   // The node may still be putting into the region: close the connection
   // (no more puts land where closing stops them) before the region goes.
   CloseAndWaitDetached().IgnoreError();
+}
+
+absl::Status ClientPlane::Read::SettleOrClose() {
+  ReadState* s = state_.get();
+  {
+    MutexLock lock(&s->mu);
+    s->cv.WaitFor(
+        &s->mu, kSettleGrace,
+        [s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->detached; });
+    if (s->detached) return absl::OkStatus();
+  }
+  return CloseAndWaitDetached();
 }
 
 absl::Status ClientPlane::Read::CloseAndWaitDetached() {
@@ -850,10 +877,11 @@ absl::Status ClientPlane::Read::WaitLayersUntil(
     close = s->close_stops_puts;
   }
   if (!waited) {
-    // Where closing stops the node, close now so the transfer fails; on
-    // shared memory the read stays open and the destructor waits for it.
+    // Where closing stops the node, a read still going after kSettleGrace
+    // is closed so the transfer fails; on shared memory the read stays open
+    // and the destructor waits for it.
     if (close) {
-      if (absl::Status st = CloseAndWaitDetached(); !st.ok()) return st;
+      if (absl::Status st = SettleOrClose(); !st.ok()) return st;
     }
     return absl::DeadlineExceededError(
         "the data-plane read passed the call's deadline");

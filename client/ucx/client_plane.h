@@ -217,14 +217,16 @@ class ClientPlane::Read {
 
   // Waits until `layers` layers are in place (num_layers: all), the read
   // failed, `deadline` (DEADLINE_EXCEEDED; where closing the connection
-  // stops the node's puts it is force-closed and the read fails, otherwise
-  // the read stays open for the destructor), or `cancel` (optional) fires:
-  // then this wait returns CANCELLED and the read goes on.
+  // stops the node's puts, a read that has not ended kSettleGrace later is
+  // force-closed and fails, otherwise the read stays open for the
+  // destructor), or `cancel` (optional) fires: then this wait returns
+  // CANCELLED and the read goes on.
   absl::Status WaitLayers(uint32_t layers, absl::Time deadline,
                           CancelToken* cancel = nullptr);
   uint32_t num_layers() const { return num_layers_; }
   // Destroying a Read that has not ended: on connections where closing
-  // stops the node (TCP, verbs) the connection is closed first; on UCX
+  // stops the node (TCP, verbs) the read may end on its own for
+  // kSettleGrace, then the connection is closed; on UCX
   // 1.13's shared memory, where it does not, the destructor first waits
   // (bounded by kAbandonGrace) for the node's final report, so that no put
   // lands in the region afterwards, and closes the connection only past
@@ -233,7 +235,7 @@ class ClientPlane::Read {
 
  private:
   friend class ClientPlane;
-  // Force-closes the connection when `deadline` passes first.
+  // Settles or force-closes (SettleOrClose) when `deadline` passes first.
   absl::Status WaitLayersUntil(uint32_t layers, absl::Time deadline,
                                const std::atomic<bool>* cancelled);
   Read(ClientPlane* plane, std::string address,
@@ -247,6 +249,9 @@ class ClientPlane::Read {
 
   // Closes the read's connection and waits (bounded) until it is detached.
   absl::Status CloseAndWaitDetached();
+  // Waits kSettleGrace for the read to end on its own (the node is still
+  // answering: no other call loses the connection), then closes it.
+  absl::Status SettleOrClose();
 
   ClientPlane* plane_;
   std::string address_;
