@@ -640,9 +640,18 @@ uint64_t NodeDataLoss(const std::vector<std::string>& nodes,
     o.target = node;
     o.bearer_token = token;
     o.data_plane = DataPlane::kGrpc;
+    // Generous: the node has just been under the whole soak's load on a
+    // small machine; a node that cannot answer in this long still fails.
+    o.timeout = absl::Seconds(30);
     absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
     if (!c.ok()) continue;
+    const absl::Time asked = absl::Now();
     absl::StatusOr<NodeStats> s = (*c)->Stats();
+    const absl::Duration took = absl::Now() - asked;
+    if (took > absl::Seconds(2)) {
+      std::printf("node %s: stats took %s\n", node.c_str(),
+                  absl::FormatDuration(took).c_str());
+    }
     if (!s.ok()) {
       std::printf("node %s: stats %s\n", node.c_str(),
                   s.status().ToString().c_str());

@@ -5,9 +5,10 @@
 //  * Every call takes an optional CallOptions (kvcache/call_options.h): its
 //    deadline is CallDeadline(call, ClientOptions::timeout), set on every
 //    RPC of the call and bounding every data-plane wait; past it the call
-//    returns DEADLINE_EXCEEDED (a data-plane transfer still running then is
-//    stopped by closing the connection). Its CancelToken, when it fires,
-//    cancels the RPC in flight (grpc::ClientContext::TryCancel) and the
+//    returns DEADLINE_EXCEEDED (a data-plane transfer still running then
+//    gets 250 ms to end on its own, then is stopped by closing the
+//    connection, which fails the other calls on it). Its CancelToken, when it
+//    fires, cancels the RPC in flight (grpc::ClientContext::TryCancel) and the
 //    call returns CANCELLED at once; a call made with a token cancelled
 //    already fails with CANCELLED before anything is sent. Bytes that a Put
 //    or Get has already started moving over the data plane finish moving
