@@ -775,11 +775,13 @@ void ClientPlane::EndRead(const std::string& token, uint32_t layers_done,
   DetachWhenReceived(state, status);
 }
 
-ClientPlane::Read::~Read() {
+ClientPlane::Read::~Read() { SettleOrClose().IgnoreError(); }
+
+absl::Status ClientPlane::Read::SettleOrClose() {
   ReadState* s = state_.get();
   {
     MutexLock lock(&s->mu);
-    if (s->detached) return;
+    if (s->detached) return absl::OkStatus();
     // Let the read end on its own first, so that no put lands after the
     // region goes without closing the connection other calls share:
     // briefly where closing stops the node's puts, longer where it does not
@@ -796,22 +798,10 @@ ClientPlane::Read::~Read() {
           &s->mu, kCloseGrace,
           [s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->detached; });
     }
-    if (s->detached) return;
+    if (s->detached) return absl::OkStatus();
   }
   // The node may still be putting into the region: close the connection
   // (no more puts land where closing stops them) before the region goes.
-  CloseAndWaitDetached().IgnoreError();
-}
-
-absl::Status ClientPlane::Read::SettleOrClose() {
-  ReadState* s = state_.get();
-  {
-    MutexLock lock(&s->mu);
-    s->cv.WaitFor(
-        &s->mu, kSettleGrace,
-        [s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->detached; });
-    if (s->detached) return absl::OkStatus();
-  }
   return CloseAndWaitDetached();
 }
 

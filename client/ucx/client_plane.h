@@ -249,8 +249,10 @@ class ClientPlane::Read {
 
   // Closes the read's connection and waits (bounded) until it is detached.
   absl::Status CloseAndWaitDetached();
-  // Waits kSettleGrace for the read to end on its own (the node is still
-  // answering: no other call loses the connection), then closes it.
+  // Lets the read end on its own (kSettleGrace where closing stops the
+  // node's puts, kAbandonGrace where it does not; then, once ended, until
+  // its receives have landed), so that no other call loses the connection;
+  // past that, closes it (CloseAndWaitDetached). The destructor's path too.
   absl::Status SettleOrClose();
 
   ClientPlane* plane_;
