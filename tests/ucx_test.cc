@@ -2329,6 +2329,12 @@ TEST_P(UcxTest, PausedNodeEndsCallsAtTheirDeadlineOrWhenCancelled) {
 // endpoints of two workers, and a force-close could also lose the messages
 // of the connections made after it.)
 TEST_P(UcxTest, AReadPastItsDeadlineLeavesItsNeighboursAlone) {
+  // Over shared memory a late read never closes its connection (closing
+  // would not stop the node's puts), and a 4 MiB read often lands before
+  // even a 1 ms deadline, so the case cannot be made there.
+  if (!GetParam().tcp()) {
+    GTEST_SKIP() << "shared memory: a late read does not close its connection";
+  }
   const kernels::BlockShape shape = LargeShape();
   ASSERT_TRUE(
       client_->RegisterNamespace(Spec("neighbours", Codec::kNone, shape)).ok());
