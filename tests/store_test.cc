@@ -1114,7 +1114,17 @@ TEST(StoreOwnerTest, DropsRacingWithWritesAndReadsKeepTheAccountingExact) {
   EXPECT_EQ(s.pinned_bytes, 0u);
   EXPECT_EQ(s.reserved_bytes, 0u);
   EXPECT_EQ(s.active_read_leases + s.active_write_leases, 0u);
-  for (const std::string& n : names) ASSERT_TRUE(store->DropNamespace(n).ok());
+  // A registration in the race may have found every slot held by dropped
+  // namespaces that pinned blocks still referred to (RESOURCE_EXHAUSTED,
+  // about one run in 12); with every lease ended, those slots are free.
+  for (const std::string& n : names) {
+    auto registered = store->RegisterNamespace(Config(n, Codec::kNone));
+    ASSERT_TRUE(registered.ok()) << n << ": " << registered.status();
+  }
+  for (const std::string& n : names) {
+    const absl::Status dropped = store->DropNamespace(n).status();
+    ASSERT_TRUE(dropped.ok()) << n << ": " << dropped;
+  }
   EXPECT_EQ(store->Stats().used_bytes, 0u);
   EXPECT_EQ(store->Usage(0).pool_bytes, 0u);
 }
