@@ -51,11 +51,13 @@ cmake -S "$root" -B "$root/build-asan" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInf
   -DKVCACHE_ASAN=ON -DKVCACHE_CUDA=OFF -DKVCACHE_BUILD_BENCH=OFF >/dev/null
 cmake --build "$root/build-asan" -j "$(nproc)"
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=0"
+# Faults go to the sanitizer (its report says where), not to UCX's handler.
+export UCX_HANDLE_ERRORS=none
 export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 (cd "$root/build-asan" && ctest --output-on-failure -j "$(nproc)" --timeout 900)
 "$root/build-asan/tools/kvcache-soak" --duration="${KVCACHE_SANITIZER_SOAK_SECONDS:-45}"
-unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
+unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS UCX_HANDLE_ERRORS
 stamp
 
 echo "== clang: the thread-safety build (-Wthread-safety -Werror) under ThreadSanitizer"
@@ -69,6 +71,10 @@ stamp
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$supp/tsan.supp"
 # UCX's memory hooks (malloc/mmap events) crash under TSan's interceptors.
 export UCX_MEM_EVENTS=no
+# A fault goes to TSan, which prints where it happened; UCX's own handler
+# (on by default) frees memory inside the signal, and TSan then reports only
+# that (CI once: "signal-unsafe call inside of a signal" from libucs).
+export UCX_HANDLE_ERRORS=none
 "$root/build-tsan/tests/store_test" --gtest_brief=1
 # The client's data-message and connection-failure paths against fake
 # nodes, and a real node's bounds checks. The whole ucx_test takes over 15
@@ -87,7 +93,7 @@ export UCX_MEM_EVENTS=no
 # would report as a thread leak at exit: not a race.
 TSAN_OPTIONS="$TSAN_OPTIONS report_thread_leaks=0" \
   "$root/build-tsan/tools/kvcache-soak" --duration="${KVCACHE_TSAN_SOAK_SECONDS:-30}"
-unset TSAN_OPTIONS UCX_MEM_EVENTS
+unset TSAN_OPTIONS UCX_MEM_EVENTS UCX_HANDLE_ERRORS
 stamp
 
 echo "== fuzzing: every decoder of peer bytes (${KVCACHE_CI_FUZZ_SECONDS:-20} s per target)"
