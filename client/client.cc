@@ -513,13 +513,6 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
 
 absl::StatusOr<NamespaceInfo> Client::RegisterNamespace(
     const NamespaceSpec& spec, const CallOptions& call) {
-  // The wire layout has no source dtype yet: refuse bf16 rather than send
-  // it as fp16.
-  if (absl::Status st =
-          kernels::RequireFp16Source(spec.shape, "Client::RegisterNamespace");
-      !st.ok()) {
-    return st;
-  }
   v1::RegisterNamespaceRequest request;
   v1::NamespaceSpec* s = request.mutable_spec();
   s->set_name(spec.name);

@@ -483,11 +483,6 @@ absl::StatusOr<NamespaceInfo> ClusterClient::RegisterNamespace(
       !s.ok()) {
     return s;
   }
-  if (absl::Status s = kernels::RequireFp16Source(
-          spec.shape, "ClusterClient::RegisterNamespace");
-      !s.ok()) {
-    return s;
-  }
   auto ns = std::make_shared<ClusterNamespace>();
   ns->spec = spec;
   ns->fp16_block_bytes = kernels::Fp16BlockBytes(spec.shape);

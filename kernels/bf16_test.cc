@@ -195,12 +195,6 @@ TEST(Bf16CodecTest, NamesSizesAndValidation) {
       EXPECT_EQ(EncodedBlockBytes(bf, p), EncodedBlockBytes(sc.shape, p));
     }
   }
-  EXPECT_TRUE(RequireFp16Source(BlockShape{1, 1, 32, 32}, "here").ok());
-  const absl::Status refused =
-      RequireFp16Source(Bf16Shape(1, 1, 32, 32), "Store::RegisterNamespace");
-  EXPECT_EQ(refused.code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(std::string(refused.message()).find("Store::RegisterNamespace"),
-            std::string::npos);
   BlockShape bad{1, 1, 32, 32};
   bad.source_dtype = static_cast<SourceDtype>(7);
   EXPECT_EQ(ValidatePolicy(bad, CodecPolicy{}).code(),

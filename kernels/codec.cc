@@ -302,16 +302,6 @@ absl::Status ValidatePolicy(const BlockShape& shape,
   return absl::OkStatus();
 }
 
-absl::Status RequireFp16Source(const BlockShape& shape,
-                               absl::string_view where) {
-  if (shape.source_dtype == SourceDtype::kFp16) return absl::OkStatus();
-  return absl::UnimplementedError(absl::StrCat(
-      where, ": ", SourceDtypeName(shape.source_dtype),
-      " sources are not supported here yet (the codecs take them; the "
-      "namespace layout, store and clients still carry fp16 only: see "
-      "docs/codecs.md)"));
-}
-
 size_t Fp16BlockBytes(const BlockShape& shape) {
   return size_t{shape.num_layers} * 2 * shape.tokens_per_block *
          shape.num_kv_heads * shape.head_dim * 2;

@@ -67,13 +67,6 @@ using ::kvcache::SourceDtypeName;
 // not dividing tokens_per_block and head_dim.
 absl::Status ValidatePolicy(const BlockShape& shape, const CodecPolicy& policy);
 
-// OK for an fp16 source dtype; UNIMPLEMENTED, naming `where`, for bf16. For
-// the parts of the product that do not carry the source dtype yet (the wire
-// layout, the store, the clients: docs/codecs.md), so that they refuse a bf16
-// shape instead of storing its values as fp16.
-absl::Status RequireFp16Source(const BlockShape& shape,
-                               absl::string_view where);
-
 // num_layers * 2 * T * H * D * 2: the source block's size (fp16 or bf16).
 size_t Fp16BlockBytes(const BlockShape& shape);
 // Exact encoded size; the policy must be valid.

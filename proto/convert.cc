@@ -69,12 +69,16 @@ void ShapeToProto(const kvcache::BlockShape& shape, v1::Layout* out) {
   out->set_num_kv_heads(shape.num_kv_heads);
   out->set_head_dim(shape.head_dim);
   out->set_tokens_per_block(shape.tokens_per_block);
-  out->set_dtype(v1::DTYPE_FP16);
+  out->set_dtype(shape.source_dtype == kvcache::SourceDtype::kBf16
+                     ? v1::DTYPE_BF16
+                     : v1::DTYPE_FP16);
   out->set_tensor_order(v1::TENSOR_ORDER_LAYER_KV_TOKEN_HEAD_DIM);
 }
 
 kvcache::BlockShape ShapeFromProto(const v1::Layout& l) {
-  return {l.num_layers(), l.num_kv_heads(), l.head_dim(), l.tokens_per_block()};
+  return {l.num_layers(), l.num_kv_heads(), l.head_dim(), l.tokens_per_block(),
+          l.dtype() == v1::DTYPE_BF16 ? kvcache::SourceDtype::kBf16
+                                      : kvcache::SourceDtype::kFp16};
 }
 
 }  // namespace kvcache::proto

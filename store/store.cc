@@ -295,7 +295,8 @@ uint64_t Fingerprint(const NamespaceConfig& c) {
   std::string s = absl::StrCat(
       c.name, "|", c.model, "|", c.revision, "|", c.tp_rank, "|",
       c.shape.num_layers, "|", c.shape.num_kv_heads, "|", c.shape.head_dim, "|",
-      c.shape.tokens_per_block, "|fp16|", static_cast<int>(c.policy.codec), "|",
+      c.shape.tokens_per_block, "|", kernels::SourceDtypeName(c.shape.source_dtype), "|",
+      static_cast<int>(c.policy.codec), "|",
       static_cast<int>(c.policy.scale_mode), "|", c.policy.kivi_group_size, "|",
       IsKivi(c.policy.codec) ? c.residual_tokens : 0, "|");
   for (uint32_t layer : c.policy.fp16_layers) absl::StrAppend(&s, layer, ",");
@@ -397,11 +398,6 @@ absl::StatusOr<std::unique_ptr<Store::Namespace>> Store::MakeNamespace(
   }
   if (!config.codec_specified) config.policy.codec = options_.default_codec;
   if (absl::Status s = kernels::ValidatePolicy(config.shape, config.policy);
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s =
-          kernels::RequireFp16Source(config.shape, "Store::RegisterNamespace");
       !s.ok()) {
     return s;
   }

@@ -17,6 +17,8 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
+#include "kernels/half.h"
+#include "kernels/legal_states.h"
 #include "kvcache/client.h"
 #include "kvcache/testing/reflection_list.pb.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
@@ -175,6 +177,99 @@ TEST_P(NodeTest, PutLookupGetAcrossCodecsAndFormats) {
     EXPECT_EQ(stats->codecs[std::string(kernels::CodecName(codec))].blocks, 5u);
   }
   EXPECT_EQ(stats->namespaces.size(), 5u);
+}
+
+// A bf16 namespace stores bf16 values and returns bf16: for every codec, a
+// read in the source format is exactly one of its legal states computed
+// here from the bf16 bits written, and the client's decode of the raw
+// encoding equals the node's. The dtype is part of the layout: the same
+// name with fp16 is another layout.
+TEST_P(NodeTest, Bf16NamespacesStoreAndReturnBf16) {
+  kernels::BlockShape shape = SmallShape();
+  shape.source_dtype = kernels::SourceDtype::kBf16;
+  std::vector<uint16_t> written(kvcache::testing::HalvesPerBlock(shape));
+  for (Codec codec : kernels::kAllCodecs) {
+    std::string ns = absl::StrCat("bf16-", kernels::CodecName(codec));
+    NamespaceSpec spec = Spec(ns, codec, /*residual_tokens=*/0);
+    spec.shape = shape;
+    auto info = client_->RegisterNamespace(spec);
+    ASSERT_TRUE(info.ok()) << ns << ": " << info.status();
+    std::vector<std::vector<uint16_t>> blocks;
+    std::vector<BlockWrite> writes;
+    for (int i = 0; i < 3; ++i) {
+      std::vector<uint16_t> fp16 = RandomBlock(shape, 100 + i);
+      std::vector<uint16_t> bf16(fp16.size());
+      for (size_t e = 0; e < fp16.size(); ++e) {
+        bf16[e] = kernels::Bf16FromFloat(4.0f * kernels::HalfToFloat(fp16[e]));
+      }
+      blocks.push_back(std::move(bf16));
+    }
+    for (int i = 0; i < 3; ++i) writes.push_back({Key(i), "", blocks[i]});
+    auto put = client_->Put(ns, writes);
+    ASSERT_TRUE(put.ok()) << ns << ": " << put.status();
+    EXPECT_EQ(put->stored, 3u);
+    auto read = client_->Get(ns, Keys(0, 3), ReadFormat::kFp16);
+    auto raw = client_->Get(ns, Keys(0, 3), ReadFormat::kRaw);
+    ASSERT_TRUE(read.ok() && raw.ok()) << read.status() << raw.status();
+    EXPECT_EQ(read->shape.source_dtype, kernels::SourceDtype::kBf16);
+    for (int i = 0; i < 3; ++i) {
+      auto legal = kernels::LegalStates::Make(shape, *spec.policy, blocks[i]);
+      ASSERT_TRUE(legal.ok()) << legal.status();
+      const std::string& bytes = read->blocks[i].bytes;
+      ASSERT_EQ(bytes.size(), written.size() * 2);
+      std::memcpy(written.data(), bytes.data(), bytes.size());
+      auto state = legal->Match(written);
+      EXPECT_TRUE(state.ok()) << ns << " block " << i << ": " << state.status();
+      if (codec == Codec::kNone) {
+        EXPECT_EQ(written, blocks[i]);
+      }
+      std::vector<uint16_t> decoded(written.size());
+      ASSERT_TRUE(DecodeRaw(*raw, raw->blocks[i], absl::MakeSpan(decoded)).ok());
+      EXPECT_EQ(decoded, written) << ns << ": client decode == node decode";
+    }
+    NamespaceSpec as_fp16 = spec;
+    as_fp16.shape.source_dtype = kernels::SourceDtype::kFp16;
+    EXPECT_EQ(client_->RegisterNamespace(as_fp16).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+  // KIVI's residual window: blocks pushed out are re-encoded from their
+  // bf16 bits (a round trip of bf16, not of the bits read as fp16).
+  NamespaceSpec window = Spec("bf16-window", Codec::kKivi2, 64);
+  window.shape = shape;
+  ASSERT_TRUE(client_->RegisterNamespace(window).ok());
+  std::vector<std::vector<uint16_t>> chain;
+  std::vector<BlockWrite> writes;
+  for (int i = 0; i < 5; ++i) {
+    std::vector<uint16_t> fp16 = RandomBlock(shape, 200 + i);
+    std::vector<uint16_t> bf16(fp16.size());
+    for (size_t e = 0; e < fp16.size(); ++e) {
+      bf16[e] = kernels::Bf16FromFloat(kernels::HalfToFloat(fp16[e]));
+    }
+    chain.push_back(std::move(bf16));
+  }
+  for (int i = 0; i < 5; ++i) writes.push_back({Key(i), "", chain[i]});
+  ASSERT_TRUE(client_->Put("bf16-window", writes).ok());
+  absl::Time deadline = absl::Now() + absl::Seconds(10);
+  absl::StatusOr<NodeStats> stats;
+  do {
+    absl::SleepFor(absl::Milliseconds(50));
+    stats = client_->Stats();
+    ASSERT_TRUE(stats.ok());
+  } while (stats->namespaces["bf16-window"].residual_blocks > 2 &&
+           absl::Now() < deadline);
+  auto read = client_->Get("bf16-window", Keys(0, 5), ReadFormat::kFp16);
+  ASSERT_TRUE(read.ok()) << read.status();
+  for (int i = 0; i < 5; ++i) {
+    auto legal = kernels::LegalStates::Make(shape, *window.policy, chain[i]);
+    ASSERT_TRUE(legal.ok());
+    std::memcpy(written.data(), read->blocks[i].bytes.data(),
+                written.size() * 2);
+    auto state = legal->Match(written);
+    ASSERT_TRUE(state.ok()) << "window block " << i << ": " << state.status();
+    EXPECT_EQ(*state, i < 3 ? kernels::BlockState::kRoundTrip
+                            : kernels::BlockState::kSource)
+        << "window block " << i;
+  }
 }
 
 TEST_P(NodeTest, KiviResidualWindowReencodesInTheBackground) {

@@ -117,18 +117,22 @@ TEST(StoreTest, RoundTripIsExactForCodecNone) {
   }
 }
 
-// The store does not carry a source dtype yet (docs/codecs.md): a bf16
-// namespace is refused, never stored as fp16.
-TEST(StoreTest, RefusesABf16Namespace) {
+// The source dtype is part of a namespace's layout: a bf16 namespace has
+// its own fingerprint, and its name is not taken again as fp16.
+TEST(StoreTest, ABf16NamespaceIsItsOwnLayout) {
   auto store = MakeStore(1 << 20);
   for (Codec c : {Codec::kNone, Codec::kFp8E4M3, Codec::kKivi2}) {
-    auto config = Config("bf16", c);
+    const std::string name = absl::StrCat("bf16-", kernels::CodecName(c));
+    auto config = Config(name, c);
     config.shape.source_dtype = kernels::SourceDtype::kBf16;
-    EXPECT_EQ(store->RegisterNamespace(config).status().code(),
-              absl::StatusCode::kUnimplemented)
-        << kernels::CodecName(c);
+    auto bf16 = store->RegisterNamespace(config);
+    ASSERT_TRUE(bf16.ok()) << bf16.status();
+    EXPECT_EQ(store->RegisterNamespace(Config(name, c)).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    auto fp16 = store->RegisterNamespace(Config(name + "-fp16", c));
+    ASSERT_TRUE(fp16.ok());
+    EXPECT_NE(bf16->fingerprint, fp16->fingerprint);
   }
-  EXPECT_TRUE(store->RegisterNamespace(Config("bf16", Codec::kNone)).ok());
 }
 
 TEST(StoreTest, RawReadMatchesTheCodecAndDecodesToTheFp16Read) {

@@ -10,8 +10,9 @@ Use it out of tree, with no change to vLLM::
 What it stores. One store block per full vLLM block (the store's
 tokens_per_block is vLLM's ``block_size``), holding every attention layer of
 this tensor-parallel rank: for each layer, K then V, each ``[T][H][D]`` in
-the model's dtype, which must be fp16 for now (the store's codecs take
-fp16 only; a bf16 model fails at start-up with a clear error). Keys are the
+the model's dtype, fp16 or bf16 (the namespace's source dtype: the store's
+codecs encode from it and decode back to it; any other dtype fails at
+start-up with a clear error). Keys are the
 store's v1 block hash (``kvcache.block_hash_chain``) over the request's token
 ids, with extra key bytes per block for the LoRA adapter, the
 ``cache_salt`` and the multimodal inputs whose placeholders overlap the
@@ -81,9 +82,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvcache.vllm")
 
-# The KV dtypes the store takes (bf16 needs the store's bf16 source dtype,
-# which nodes do not have yet).
-_DTYPES = {torch.float16: "fp16"}
+# The KV dtypes the store takes as a namespace's source dtype.
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _REGISTRATION_BACKOFF_S = 10.0
 
 
@@ -245,9 +245,8 @@ def _model_dtype(vllm_config: "VllmConfig") -> str:
     dtype = vllm_config.model_config.dtype
     if dtype not in _DTYPES:
         raise ValueError(
-            f"KvcacheConnector takes fp16 KV only (the store has no bf16 "
-            f"source dtype yet), not {dtype}: run the model with "
-            f"--dtype float16 or without the connector"
+            f"KvcacheConnector takes fp16 or bf16 KV, not {dtype}: run the "
+            f"model with --dtype float16 or bfloat16, or without the connector"
         )
     return _DTYPES[dtype]
 
@@ -542,7 +541,7 @@ class KvcacheConnector(KVConnectorBase_V1):
         ):
             raise ValueError(
                 "KvcacheConnector needs per-layer [blocks, heads, tokens, K|V] "
-                f"views of fp16 matching {spec}; got {tuple(first.shape)} "
+                f"views of fp16 or bf16 matching {spec}; got {tuple(first.shape)} "
                 f"{first.dtype}"
             )
         if any(t.shape != first.shape or t.dtype != first.dtype for t in caches):

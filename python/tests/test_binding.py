@@ -35,10 +35,12 @@ def blocks(n, seed=0):
     return rng.standard_normal((n, LAYERS * 2 * T * HEADS * DIM)).astype(np.float16)
 
 
-# A fresh node for each data plane: the tests of one share it.
+# A fresh node for each data plane (the tests of one share it): inline gRPC,
+# and UCX (over shared memory, the node's default transports).
 @pytest.fixture(scope="module", params=["grpc", "auto"])
 def node(request):
-    with start_node() as n:
+    flags = ["--data-plane=ucx"] if request.param == "auto" else []
+    with start_node(*flags) as n:
         yield n, request.param
 
 
@@ -284,3 +286,31 @@ def test_a_cancel_token_ends_a_call():
             assert time.monotonic() - start < 5
         finally:
             os.kill(n.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp8_e4m3", "kivi4"])
+def test_bf16_namespaces_take_and_return_bf16(client, codec):
+    torch = pytest.importorskip("torch")
+    name = f"bf16-{codec}"
+    client.register_namespace(spec(name, codec=codec, dtype="bf16"))
+    keys = kvcache.block_hash_chain(list(range(3 * T)), T, seed=8)
+    data = torch.randn(3, LAYERS, 2, T, HEADS, DIM).to(torch.bfloat16)
+    client.put(name, keys, data)
+    dest = torch.empty_like(data)
+    client.get_into(name, keys, dest).wait()
+    assert torch.isfinite(dest.float()).all()
+    if codec == "none":
+        assert torch.equal(dest, data)
+    else:
+        err = (dest.float() - data.float()).norm() / data.float().norm()
+        assert 0 < err < 0.2, err
+    # The node's decode, read as uint16 bit patterns (numpy has no bf16),
+    # equals the client's decode of the raw encoding.
+    node_side = client.get(name, keys).array()
+    assert node_side.dtype == np.uint16
+    np.testing.assert_array_equal(
+        node_side, dest.view(torch.int16).numpy().view(np.uint16).reshape(3, -1)
+    )
+    raw = client.get(name, keys, format="raw")
+    for i in range(3):
+        np.testing.assert_array_equal(raw.decode(i), node_side[i])

@@ -179,3 +179,33 @@ def test_fp8_reports_its_token_agreement(workdir, model_dir, reference):
     print(f"fp8_e4m3: {same}/{total} greedy tokens equal to fp16's "
           f"({100.0 * same / total:.1f}%)")
     (workdir / "fp8-agreement.txt").write_text(f"{same} {total}\n")
+
+
+@pytest.fixture(scope="module")
+def bf16_model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama-bf16")
+    subprocess.run(
+        [sys.executable, os.path.join(HERE, "vllm", "make_tiny_llama.py"), str(d),
+         "--dtype", "bfloat16"],
+        check=True,
+        timeout=300,
+    )
+    return str(d)
+
+
+def test_a_bf16_model_stores_and_loads_bf16_kv(workdir, bf16_model_dir):
+    """Most models run in bf16: the namespace's source dtype is bf16, the
+    node stores the engine's bits as they are (codec none), and a fresh
+    engine decodes exactly as one with no connector."""
+    prompts = _prompts()[:4]
+    want = drive(workdir, bf16_model_dir, prompts, "bf16-reference",
+                 "--dtype", "bfloat16")
+    with start_node("--data-plane=ucx") as node:
+        a = drive(workdir, bf16_model_dir, prompts, "bf16-store", "--dtype",
+                  "bfloat16", "--node", node.address, full=True)
+        assert a["connector"]["worker"]["save_errors"] == 0
+        b = drive(workdir, bf16_model_dir, prompts, "bf16-load", "--dtype",
+                  "bfloat16", "--node", node.address)
+    for i, p in enumerate(prompts):
+        assert b[i]["cached"] == _full_hit(p), f"prompt {i}"
+        assert b[i]["tokens"] == want[i]["tokens"], f"prompt {i}"
