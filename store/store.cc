@@ -295,7 +295,8 @@ uint64_t Fingerprint(const NamespaceConfig& c) {
   std::string s = absl::StrCat(
       c.name, "|", c.model, "|", c.revision, "|", c.tp_rank, "|",
       c.shape.num_layers, "|", c.shape.num_kv_heads, "|", c.shape.head_dim, "|",
-      c.shape.tokens_per_block, "|", kernels::SourceDtypeName(c.shape.source_dtype), "|",
+      c.shape.tokens_per_block, "|",
+      kernels::SourceDtypeName(c.shape.source_dtype), "|",
       static_cast<int>(c.policy.codec), "|",
       static_cast<int>(c.policy.scale_mode), "|", c.policy.kivi_group_size, "|",
       IsKivi(c.policy.codec) ? c.residual_tokens : 0, "|");

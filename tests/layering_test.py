@@ -11,6 +11,7 @@ rule. The arrows:
     client -> kernels (dequantization)
     everything -> base
     fuzz -> anything but the client's private code (as tests/ may)
+    python (the package's native module) -> the public client headers
 
 and, in words: kernels/ and store/ know neither gRPC nor UCX; transport/
 knows UCX but not gRPC; the node's data plane (service/ucx/) does not use
@@ -53,7 +54,7 @@ def component_of_file(path):
         return 'data_plane'
     top = path.split('/', 1)[0]
     if top in ('base', 'proto', 'kernels', 'transport', 'store', 'service',
-               'client', 'tools', 'bench', 'tests', 'fuzz'):
+               'client', 'tools', 'bench', 'tests', 'fuzz', 'python'):
         return top
     return None
 
@@ -91,6 +92,9 @@ ALLOWED = {
     'client': {'client_api', 'base', 'transport', 'proto', 'kernels',
                'codec_api'},
     'examples': {'client_api', 'codec_api', 'kernels', 'base'},
+    # The Python module links the client's public libraries only, as an
+    # installed client would.
+    'python': {'client_api', 'codec_api'},
     'tools': {'client_api', 'codec_api', 'kernels', 'base'},
     'bench': None,  # any layer: benchmarks drive each in process
     'tests': None,  # any layer
@@ -110,6 +114,7 @@ FORBIDDEN_EXTERNAL = {
     'store': GRPC + UCX + PROMETHEUS,
     'data_plane': GRPC + PROMETHEUS,
     'client_api': GRPC + UCX + PROMETHEUS + CUDA,
+    'python': GRPC + UCX + PROMETHEUS + CUDA,
 }
 
 
@@ -140,7 +145,9 @@ def violations(root):
         rel_folder = os.path.relpath(folder, root)
         top = rel_folder.split(os.sep, 1)[0]
         if rel_folder != '.' and (top.startswith(('build', '.')) or
-                                  top == 'shared'):
+                                  top == 'shared' or
+                                  rel_folder.startswith(
+                                      os.path.join('python', 'build'))):
             dirs[:] = []
             continue
         for name in sorted(files):
@@ -188,6 +195,10 @@ def self_test():
         ('fuzz/fuzz_rpc.cc', 'kvcache/client.h', True, True),
         ('fuzz/fuzz_rpc.cc', 'client/ucx/client_plane.h', True, False),
         ('fuzz/fuzz_wire.cc', 'fuzz/fuzz_input.h', True, True),
+        ('python/src/client_bind.cc', 'kvcache/client.h', True, True),
+        ('python/src/client_bind.cc', 'client/client_impl.h', True, False),
+        ('python/src/client_bind.cc', 'kernels/codec.h', True, False),
+        ('python/src/module.cc', 'grpcpp/grpcpp.h', False, False),
     ]
     failed = 0
     for src, header, quoted, ok in cases:

@@ -224,7 +224,8 @@ TEST_P(NodeTest, Bf16NamespacesStoreAndReturnBf16) {
         EXPECT_EQ(written, blocks[i]);
       }
       std::vector<uint16_t> decoded(written.size());
-      ASSERT_TRUE(DecodeRaw(*raw, raw->blocks[i], absl::MakeSpan(decoded)).ok());
+      ASSERT_TRUE(
+          DecodeRaw(*raw, raw->blocks[i], absl::MakeSpan(decoded)).ok());
       EXPECT_EQ(decoded, written) << ns << ": client decode == node decode";
     }
     NamespaceSpec as_fp16 = spec;

@@ -8,8 +8,8 @@ that waits on a node releases the GIL. Errors are ``kvcache.Error``
 subclasses by status code (``kvcache.errors``). Keys come from the store's
 block hash (``block_hash_chain``), the same in every language.
 
-Engines: ``kvcache.vllm.KvcacheConnector`` (vLLM v1 KV connector) and
-``kvcache.sglang`` (SGLang HiCache storage backend); docs/engines.md.
+Engines: ``kvcache.vllm.KvcacheConnector``, a vLLM v1 KV connector
+(docs/engines.md).
 """
 
 from . import errors

@@ -22,10 +22,10 @@ absl::Span<uint8_t> ContiguousBytes(const nb::ndarray<>& array,
   int64_t expected = 1;
   for (size_t i = array.ndim(); i-- > 0;) {
     if (array.shape(i) != 1 && array.stride(i) != expected) {
-      Throw(absl::InvalidArgumentError(absl::StrCat(
-          what, " must be C-contiguous (axis ", i, " has stride ",
-          array.stride(i), ", expected ", expected,
-          "); pass a contiguous copy or view")));
+      Throw(absl::InvalidArgumentError(
+          absl::StrCat(what, " must be C-contiguous (axis ", i, " has stride ",
+                       array.stride(i), ", expected ", expected,
+                       "); pass a contiguous copy or view")));
     }
     expected *= static_cast<int64_t>(array.shape(i));
   }
@@ -35,7 +35,8 @@ absl::Span<uint8_t> ContiguousBytes(const nb::ndarray<>& array,
 std::vector<std::string> Keys(nb::handle sequence) {
   std::vector<std::string> keys;
   if (!nb::isinstance<nb::sequence>(sequence) ||
-      nb::isinstance<nb::bytes>(sequence) || nb::isinstance<nb::str>(sequence)) {
+      nb::isinstance<nb::bytes>(sequence) ||
+      nb::isinstance<nb::str>(sequence)) {
     Throw(absl::InvalidArgumentError("keys must be a sequence of bytes"));
   }
   keys.reserve(nb::len(sequence));
@@ -102,12 +103,14 @@ Credentials MakeCredentials(std::optional<std::string> bearer_token,
         "give bearer_token or bearer_token_file, not both"));
   }
   if (bearer_token) c.bearer_token = *bearer_token;
-  if (bearer_token_file) c.bearer_token = Value(ReadBearerTokenFile(*bearer_token_file));
+  if (bearer_token_file)
+    c.bearer_token = Value(ReadBearerTokenFile(*bearer_token_file));
   c.tls.ca_file = tls_ca_file.value_or("");
   c.tls.cert_file = tls_cert_file.value_or("");
   c.tls.key_file = tls_key_file.value_or("");
   c.tls.server_name = tls_server_name.value_or("");
-  if (!c.tls.enabled() && (!c.tls.cert_file.empty() || !c.tls.key_file.empty())) {
+  if (!c.tls.enabled() &&
+      (!c.tls.cert_file.empty() || !c.tls.key_file.empty())) {
     Throw(absl::InvalidArgumentError(
         "tls_cert_file and tls_key_file need tls_ca_file (the node's CA)"));
   }

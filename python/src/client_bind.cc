@@ -57,7 +57,8 @@ void InitClient(PyClient* self, const std::string& target, double timeout_s,
                 OptStr tls_server_name, int max_message_bytes) {
   ClientOptions options;
   options.target = target;
-  if (!(timeout_s > 0)) Throw(absl::InvalidArgumentError("timeout_s must be > 0"));
+  if (!(timeout_s > 0))
+    Throw(absl::InvalidArgumentError("timeout_s must be > 0"));
   options.timeout = absl::Seconds(timeout_s);
   options.data_plane = DataPlaneFromName(data_plane);
   Credentials c = MakeCredentials(bearer_token, bearer_token_file, tls_ca_file,
@@ -163,10 +164,9 @@ void BindPendingRead(nb::module_& m) {
            })
       .def_prop_ro("num_layers",
                    [](const PyPendingRead& p) { return p.read->num_layers(); })
-      .def_prop_ro("over_data_plane",
-                   [](const PyPendingRead& p) {
-                     return p.read->over_data_plane();
-                   })
+      .def_prop_ro(
+          "over_data_plane",
+          [](const PyPendingRead& p) { return p.read->over_data_plane(); })
       .def_prop_ro("indices",
                    [](const PyPendingRead& p) {
                      std::vector<uint32_t> out;
@@ -175,10 +175,9 @@ void BindPendingRead(nb::module_& m) {
                      }
                      return out;
                    })
-      .def_prop_ro("missing",
-                   [](const PyPendingRead& p) {
-                     return p.read->metadata().missing;
-                   })
+      .def_prop_ro(
+          "missing",
+          [](const PyPendingRead& p) { return p.read->metadata().missing; })
       .def_prop_ro("prefix_blocks",
                    [](const PyPendingRead& p) {
                      return p.read->metadata().prefix_blocks();
@@ -270,7 +269,8 @@ void BindClientMethods(nb::class_<PyClient>& c) {
             }
             Check(st);
           },
-          nb::arg("pin_lease"), nb::kw_only(), nb::arg("timeout_s") = nb::none())
+          nb::arg("pin_lease"), nb::kw_only(),
+          nb::arg("timeout_s") = nb::none())
       .def(
           "delete",
           [](PyClient& self, const std::string& ns, nb::handle py_keys,

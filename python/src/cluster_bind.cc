@@ -134,9 +134,9 @@ LayerCallback CopyInto(absl::Span<uint8_t> dest, size_t stride) {
       const size_t half = b.k.size() * 2;
       const size_t at = b.block * stride + size_t{layer} * 2 * half;
       if ((layer + 1) * 2 * half > stride || at + 2 * half > dest.size()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "dest rows of ", stride, " bytes cannot hold layer ", layer,
-            " of a block (", 2 * half, " bytes a layer)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("dest rows of ", stride, " bytes cannot hold layer ",
+                         layer, " of a block (", 2 * half, " bytes a layer)"));
       }
       std::memcpy(dest.data() + at, b.k.data(), half);
       std::memcpy(dest.data() + at + half, b.v.data(), half);
@@ -188,10 +188,9 @@ void BindLayerRead(nb::module_& m) {
           "its blocks is in dest.")
       .def_ro("prefix_blocks", &PyLayerRead::prefix_blocks,
               "The prefix of the last successful wait_layer.")
-      .def_prop_ro("unavailable_keys",
-                   [](const PyLayerRead& r) {
-                     return r.stream->unavailable_keys();
-                   })
+      .def_prop_ro(
+          "unavailable_keys",
+          [](const PyLayerRead& r) { return r.stream->unavailable_keys(); })
       .def("cancel", [](PyLayerRead& r) {
         nb::gil_scoped_release release;
         r.stream->Cancel();
@@ -215,9 +214,8 @@ void BindMethods(nb::class_<PyClusterClient>& c) {
              std::optional<double> timeout_s, const PyCancelToken* cancel) {
             std::vector<std::string> keys = Keys(py_keys);
             CallOptions call = MakeCall(timeout_s, cancel);
-            return Blocking<ClusterLookupResult>([&] {
-              return self.client->Lookup(ns, std::move(keys), call);
-            });
+            return Blocking<ClusterLookupResult>(
+                [&] { return self.client->Lookup(ns, std::move(keys), call); });
           },
           nb::arg("ns"), nb::arg("keys"), nb::kw_only(),
           nb::arg("timeout_s") = nb::none(), nb::arg("cancel") = nb::none())
@@ -238,9 +236,8 @@ void BindMethods(nb::class_<PyClusterClient>& c) {
              std::optional<double> t) {
             std::vector<std::string> keys = Keys(py_keys);
             CallOptions call = MakeCall(t, nullptr);
-            return Blocking<uint32_t>([&] {
-              return self.client->Delete(ns, std::move(keys), call);
-            });
+            return Blocking<uint32_t>(
+                [&] { return self.client->Delete(ns, std::move(keys), call); });
           },
           nb::arg("ns"), nb::arg("keys"), nb::kw_only(),
           nb::arg("timeout_s") = nb::none())
@@ -270,12 +267,11 @@ void BindClusterClient(nb::module_& m) {
                                 "The client of a fleet of kvcache nodes: "
                                 "keys sharded by rendezvous hashing; a node "
                                 "down or slow is a miss, not an error.");
-  c.def("__init__", &InitCluster, nb::arg("nodes") = nb::none(),
-        nb::kw_only(), nb::arg("dns_name") = nb::none(),
-        nb::arg("dns_port") = 50051, nb::arg("timeout_s") = 5.0,
-        nb::arg("rpc_timeout_s") = 2.0, nb::arg("max_attempts") = 3,
-        nb::arg("routing_prefix_bytes") = 0, nb::arg("data_plane") = "auto",
-        nb::arg("bearer_token") = nb::none(),
+  c.def("__init__", &InitCluster, nb::arg("nodes") = nb::none(), nb::kw_only(),
+        nb::arg("dns_name") = nb::none(), nb::arg("dns_port") = 50051,
+        nb::arg("timeout_s") = 5.0, nb::arg("rpc_timeout_s") = 2.0,
+        nb::arg("max_attempts") = 3, nb::arg("routing_prefix_bytes") = 0,
+        nb::arg("data_plane") = "auto", nb::arg("bearer_token") = nb::none(),
         nb::arg("bearer_token_file") = nb::none(),
         nb::arg("tls_ca_file") = nb::none(),
         nb::arg("tls_cert_file") = nb::none(),

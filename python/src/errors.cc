@@ -54,14 +54,13 @@ void Raise(const absl::Status& status) {
 void Throw(const absl::Status& status) { throw StatusError(status); }
 
 void RegisterErrors(nb::module_& m) {
-  nb::register_exception_translator(
-      [](const std::exception_ptr& p, void*) {
-        try {
-          std::rethrow_exception(p);
-        } catch (const StatusError& e) {
-          Raise(e.status());
-        }
-      });
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      Raise(e.status());
+    }
+  });
   m.def(
       "_register_errors",
       [](nb::dict mapping) {

@@ -19,9 +19,9 @@ namespace {
 Codec CodecOf(const std::string& name) {
   std::optional<Codec> codec = CodecFromName(name);
   if (!codec) {
-    Throw(absl::InvalidArgumentError(absl::StrCat(
-        "unknown codec '", name,
-        "' (none, fp8_e4m3, fp8_e5m2, kivi2, kivi4)")));
+    Throw(absl::InvalidArgumentError(
+        absl::StrCat("unknown codec '", name,
+                     "' (none, fp8_e4m3, fp8_e5m2, kivi2, kivi4)")));
   }
   return *codec;
 }
@@ -43,9 +43,8 @@ uint64_t BlockElements(const NamespaceSpec& s) {
 void InitSpec(NamespaceSpec* self, std::string name, uint32_t num_layers,
               uint32_t num_kv_heads, uint32_t head_dim,
               uint32_t tokens_per_block, std::optional<std::string> codec,
-              const std::string& dtype, std::string model,
-              std::string revision, uint32_t tp_rank,
-              std::optional<uint32_t> residual_tokens,
+              const std::string& dtype, std::string model, std::string revision,
+              uint32_t tp_rank, std::optional<uint32_t> residual_tokens,
               std::vector<uint32_t> fp16_layers, uint32_t kivi_group_size) {
   auto* spec = new (self) NamespaceSpec();
   spec->name = std::move(name);
@@ -71,11 +70,11 @@ void BindSpec(nb::module_& m) {
                             "A namespace's name, model and block layout, "
                             "and how the node stores it (codec).")
       .def("__init__", &InitSpec, nb::arg("name"), nb::kw_only(),
-           nb::arg("num_layers"), nb::arg("num_kv_heads"),
-           nb::arg("head_dim"), nb::arg("tokens_per_block"),
-           nb::arg("codec") = nb::none(), nb::arg("dtype") = "fp16",
-           nb::arg("model") = "", nb::arg("revision") = "",
-           nb::arg("tp_rank") = 0, nb::arg("residual_tokens") = nb::none(),
+           nb::arg("num_layers"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
+           nb::arg("tokens_per_block"), nb::arg("codec") = nb::none(),
+           nb::arg("dtype") = "fp16", nb::arg("model") = "",
+           nb::arg("revision") = "", nb::arg("tp_rank") = 0,
+           nb::arg("residual_tokens") = nb::none(),
            nb::arg("fp16_layers") = std::vector<uint32_t>{},
            nb::arg("kivi_group_size") = 32,
            "codec None: the node's default (a ClusterClient needs one).")
@@ -104,15 +103,15 @@ void BindSpec(nb::module_& m) {
       .def_prop_ro("block_elements", &BlockElements,
                    "16-bit values of one block: layers x (K, V) x tokens x "
                    "heads x head_dim.")
-      .def_prop_ro(
-          "block_bytes",
-          [](const NamespaceSpec& s) { return BlockElements(s) * 2; })
+      .def_prop_ro("block_bytes",
+                   [](const NamespaceSpec& s) { return BlockElements(s) * 2; })
       .def("__repr__", [](const NamespaceSpec& s) {
         return absl::StrCat(
             "NamespaceSpec('", s.name, "', num_layers=", s.shape.num_layers,
-            ", num_kv_heads=", s.shape.num_kv_heads, ", head_dim=",
-            s.shape.head_dim, ", tokens_per_block=", s.shape.tokens_per_block,
-            ", dtype='", SourceDtypeName(s.shape.source_dtype), "', codec=",
+            ", num_kv_heads=", s.shape.num_kv_heads,
+            ", head_dim=", s.shape.head_dim,
+            ", tokens_per_block=", s.shape.tokens_per_block, ", dtype='",
+            SourceDtypeName(s.shape.source_dtype), "', codec=",
             s.policy ? absl::StrCat("'", CodecName(s.policy->codec), "'")
                      : "None",
             ")");

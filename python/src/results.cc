@@ -15,9 +15,9 @@ std::vector<BlockWrite> Writes(const std::vector<std::string>& keys,
   const size_t n = keys.size();
   if (n == 0) return {};
   if (blocks.size() % (2 * n) != 0) {
-    Throw(absl::InvalidArgumentError(absl::StrCat(
-        "blocks hold ", blocks.size(), " bytes: not ", n,
-        " blocks of 16-bit values (one row per key)")));
+    Throw(absl::InvalidArgumentError(
+        absl::StrCat("blocks hold ", blocks.size(), " bytes: not ", n,
+                     " blocks of 16-bit values (one row per key)")));
   }
   const size_t block_bytes = blocks.size() / n;
   std::vector<BlockWrite> writes(n);
@@ -111,8 +111,8 @@ nb::object Array(const PyGetResult& self) {
 
 const BlockData& At(const PyGetResult& self, size_t i) {
   if (i >= self.result.blocks.size()) {
-    Throw(absl::OutOfRangeError(absl::StrCat(
-        "block ", i, " of a read of ", self.result.blocks.size())));
+    Throw(absl::OutOfRangeError(absl::StrCat("block ", i, " of a read of ",
+                                             self.result.blocks.size())));
   }
   return self.result.blocks[i];
 }
@@ -121,8 +121,8 @@ nb::object Decode(const PyGetResult& self, size_t i) {
   const GetResult& r = self.result;
   const BlockData& block = At(self, i);
   const BlockShape& s = r.shape;
-  size_t elements =
-      size_t{s.num_layers} * 2 * s.tokens_per_block * s.num_kv_heads * s.head_dim;
+  size_t elements = size_t{s.num_layers} * 2 * s.tokens_per_block *
+                    s.num_kv_heads * s.head_dim;
   auto [array, data] = NewNumpy({elements}, NumpyDtype(r));
   if (block.format == ReadFormat::kFp16) {
     std::memcpy(data, block.bytes.data(),
@@ -141,9 +141,10 @@ void BindGetResult(nb::module_& m) {
                           "Blocks read, in the order of the keys asked for.")
       .def("__len__",
            [](const PyGetResult& r) { return r.result.blocks.size(); })
-      .def_prop_ro("prefix_blocks",
-                   [](const PyGetResult& r) { return r.result.prefix_blocks(); },
-                   "keys[0, prefix_blocks) were all read.")
+      .def_prop_ro(
+          "prefix_blocks",
+          [](const PyGetResult& r) { return r.result.prefix_blocks(); },
+          "keys[0, prefix_blocks) were all read.")
       .def_prop_ro("indices",
                    [](const PyGetResult& r) {
                      std::vector<uint32_t> out;
@@ -154,16 +155,17 @@ void BindGetResult(nb::module_& m) {
                    })
       .def_prop_ro("missing",
                    [](const PyGetResult& r) { return r.result.missing; })
-      .def_prop_ro("codecs",
-                   [](const PyGetResult& r) {
-                     std::vector<std::string> out;
-                     for (const BlockData& b : r.result.blocks) {
-                       out.emplace_back(CodecName(b.codec));
-                     }
-                     return out;
-                   },
-                   "Each block's codec as stored ('none' for a KIVI block "
-                   "still in the fp16 residual window).")
+      .def_prop_ro(
+          "codecs",
+          [](const PyGetResult& r) {
+            std::vector<std::string> out;
+            for (const BlockData& b : r.result.blocks) {
+              out.emplace_back(CodecName(b.codec));
+            }
+            return out;
+          },
+          "Each block's codec as stored ('none' for a KIVI block "
+          "still in the fp16 residual window).")
       .def_ro("unavailable_keys", &PyGetResult::unavailable_keys)
       .def("array", &Array,
            "The blocks as one [blocks, block_elements] numpy array (format "

@@ -17,7 +17,7 @@ from node_util import start_node
 LAYERS, HEADS, DIM, T = 3, 2, 16, 8
 
 
-def spec(name, codec="none", dtype="fp16"):
+def spec(name, codec="none", dtype="fp16", residual_tokens=None):
     return kvcache.NamespaceSpec(
         name,
         num_layers=LAYERS,
@@ -27,6 +27,8 @@ def spec(name, codec="none", dtype="fp16"):
         codec=codec,
         dtype=dtype,
         model="test",
+        kivi_group_size=8,  # divides T and DIM
+        residual_tokens=residual_tokens,
     )
 
 
@@ -292,7 +294,8 @@ def test_a_cancel_token_ends_a_call():
 def test_bf16_namespaces_take_and_return_bf16(client, codec):
     torch = pytest.importorskip("torch")
     name = f"bf16-{codec}"
-    client.register_namespace(spec(name, codec=codec, dtype="bf16"))
+    # No KIVI residual window: every block is encoded at once.
+    client.register_namespace(spec(name, codec=codec, dtype="bf16", residual_tokens=0))
     keys = kvcache.block_hash_chain(list(range(3 * T)), T, seed=8)
     data = torch.randn(3, LAYERS, 2, T, HEADS, DIM).to(torch.bfloat16)
     client.put(name, keys, data)
