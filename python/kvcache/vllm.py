@@ -56,10 +56,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
 import logging
 import os
-import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvcache
+from kvcache import _naming
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -158,12 +157,7 @@ def _settings(vllm_config: "VllmConfig") -> _Settings:
 
 
 def _model_id(model: str, revision: str) -> str:
-    """A readable, collision-safe name part: the model's last path component
-    and a hash of its full name and revision (two checkpoints that share a
-    directory name never share KV)."""
-    base = re.sub(r"[^A-Za-z0-9._-]", "-", model.rstrip("/").split("/")[-1])
-    digest = hashlib.sha256(f"{model}\0{revision}".encode()).hexdigest()[:12]
-    return f"{base[:40]}-{digest}"
+    return _naming.model_id(model, revision)
 
 
 def namespace_name(

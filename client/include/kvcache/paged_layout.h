@@ -27,6 +27,10 @@
 // halves); they never allocate, touch only the elements of the tokens they
 // are asked for, and are safe to call concurrently on disjoint targets.
 //
+// StridedKvView (below) is the general form: any per-layer strides, K and V
+// at any offsets, and the dtype; the kNHD/kHND functions are that form with
+// dense strides.
+//
 // Device memory: these are host-memory routines. A CUDA engine gathers into
 // / scatters from a pinned host staging buffer with its own copy kernels
 // (see docs/client.md); device-pointer overloads are not provided yet.
@@ -38,6 +42,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kvcache/codec.h"
 
@@ -94,6 +99,77 @@ absl::Status ScatterStoreBlockLayer(absl::Span<const uint16_t> k,
                                     uint32_t store_block,
                                     absl::Span<const uint32_t> block_table,
                                     const PagedKvView& cache);
+
+// The general form of an engine's paged cache, one region per layer:
+// element (kv, physical block b, slot s, head h, channel d) of layer l is
+//   layers[l][kv_offset[kv] + b*block_stride + s*token_stride
+//             + h*head_stride + d]
+// in 16-bit elements (channels contiguous; strides >= 0). It describes:
+//  * vLLM's per-layer views (>= 0.28): logical [B][H][N][C] with K and V in
+//    the last axis (C = 2*head_dim; kv_offset {0, head_dim}) and the
+//    strides of any of its six KVCacheLayout orders (LBHNC, LBNHC, LHBNC,
+//    BLHNC, BLNHC, BHLNC; VllmLayerLayout below);
+//  * kernel blocks smaller than the engine's block: block_size is the
+//    kernel block and the block table lists kernel blocks;
+//  * padding: strides larger than the dense ones;
+//  * the older [2][B][N][H][D] and [2][B][H][N][D] tensors (StridedLayout);
+//  * SGLang's host pools, a "block" being a page of page_size tokens:
+//    layer_first [2][L][tokens][H][D] (layers[l] = base + l*tokens*H*D,
+//    block_stride page_size*H*D, token_stride H*D, head_stride D,
+//    kv_offset {0, L*tokens*H*D}) and page_first [2][tokens][L][H][D]
+//    (layers[l] = base + l*H*D, block_stride page_size*L*H*D, token_stride
+//    L*H*D, head_stride D, kv_offset {0, tokens*L*H*D}).
+// `dtype` must equal the store shape's source dtype (both are 2 bytes).
+struct StridedKvLayout {
+  uint32_t num_layers = 0;
+  uint32_t num_blocks = 0;  // physical blocks: b < num_blocks
+  uint32_t block_size = 0;  // tokens per physical block
+  uint32_t num_kv_heads = 0;
+  uint32_t head_dim = 0;
+  int64_t block_stride = 0;
+  int64_t token_stride = 0;
+  int64_t head_stride = 0;
+  int64_t kv_offset[2] = {0, 0};  // K, V
+  SourceDtype dtype = SourceDtype::kFp16;
+};
+
+struct StridedKvView {
+  StridedKvLayout layout;
+  std::vector<uint16_t*> layers;
+};
+
+// The strided form of a kNHD or kHND layout (fp16).
+StridedKvLayout StridedLayout(const PagedKvLayout& layout);
+
+// A vLLM per-layer view: `shape` and `strides` (in elements) of its logical
+// [num_blocks][num_kv_heads][block_size][2*head_dim] tensor, as
+// torch.Tensor.shape and .stride() give them. INVALID_ARGUMENT when the last
+// axis is not contiguous or not even, a dimension is 0 or a stride negative.
+absl::StatusOr<StridedKvLayout> VllmLayerLayout(
+    uint32_t num_layers, absl::Span<const int64_t> shape,
+    absl::Span<const int64_t> strides, SourceDtype dtype);
+
+// INVALID_ARGUMENT for a zero dimension, a negative stride or offset, a
+// layer count that differs from the layout's, or a null layer pointer.
+absl::Status ValidateView(const StridedKvView& view);
+
+// GatherStoreBlock, ScatterStoreBlock and ScatterStoreBlockLayer over a
+// strided view; the same contracts, and INVALID_ARGUMENT when the view's
+// dtype differs from the shape's.
+absl::Status GatherStoreBlock(const StridedKvView& cache,
+                              absl::Span<const uint32_t> block_table,
+                              const BlockShape& shape, uint32_t store_block,
+                              absl::Span<uint16_t> out);
+absl::Status ScatterStoreBlock(absl::Span<const uint16_t> in,
+                               const BlockShape& shape, uint32_t store_block,
+                               absl::Span<const uint32_t> block_table,
+                               const StridedKvView& cache);
+absl::Status ScatterStoreBlockLayer(absl::Span<const uint16_t> k,
+                                    absl::Span<const uint16_t> v,
+                                    const BlockShape& shape, uint32_t layer,
+                                    uint32_t store_block,
+                                    absl::Span<const uint32_t> block_table,
+                                    const StridedKvView& cache);
 
 }  // namespace kvcache
 
