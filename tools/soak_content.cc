@@ -20,13 +20,16 @@ uint64_t Mix(uint64_t x) {  // splitmix64 finalizer
 std::vector<SoakNamespace> SoakNamespaces() {
   const kernels::BlockShape small{2, 2, 64, 32};  // 32 KiB fp16
   const kernels::BlockShape large{8, 4, 64, 32};  // 256 KiB fp16
+  kernels::BlockShape small_bf16 = small;
+  small_bf16.source_dtype = kernels::SourceDtype::kBf16;
   std::vector<SoakNamespace> out;
   for (kernels::Codec codec : kernels::kAllCodecs) {
-    for (const kernels::BlockShape& shape : {small, large}) {
+    for (const kernels::BlockShape& shape : {small, large, small_bf16}) {
       SoakNamespace ns;
       ns.shape = shape;
       ns.policy.codec = codec;
       ns.name = absl::StrCat("soak/", kernels::CodecName(codec), "/",
+                             kernels::SourceDtypeName(shape.source_dtype), "/",
                              kernels::Fp16BlockBytes(shape) >> 10, "k");
       ns.index = static_cast<uint32_t>(out.size());
       out.push_back(std::move(ns));
@@ -47,12 +50,14 @@ std::vector<uint16_t> BlockContent(const SoakNamespace& ns, uint32_t chain,
   // Per channel an offset and a scale, so that KIVI's per-channel keys and
   // FP8's per-head scales see structure, not only noise.
   const uint32_t d = ns.shape.head_dim;
+  const bool bf16 = ns.shape.source_dtype == kernels::SourceDtype::kBf16;
   for (size_t i = 0; i < out.size(); ++i) {
     state = Mix(state + i);
     const float noise =
         (static_cast<float>(state % 20001) - 10000.0f) / 5000.0f;
     const float channel = static_cast<float>(i % d) / static_cast<float>(d);
-    out[i] = kernels::HalfFromFloat(noise * (0.5f + channel) + channel);
+    const float x = noise * (0.5f + channel) + channel;
+    out[i] = bf16 ? kernels::Bf16FromFloat(x) : kernels::HalfFromFloat(x);
   }
   return out;
 }

@@ -37,7 +37,8 @@ struct SoakNamespace {
 };
 
 // The namespaces every soak process registers: each codec at a small
-// block (eager messages) and a large one (rendezvous messages).
+// block (eager messages) and a large one (rendezvous messages) of fp16, and
+// a small one of bf16.
 std::vector<SoakNamespace> SoakNamespaces();
 
 // "c<chain>b<block>": the key of a block of a chain.
