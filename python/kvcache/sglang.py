@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import time
 from typing import Any, List, Optional
 
@@ -50,21 +49,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 import kvcache
-from kvcache import _naming
+from kvcache import _shared
 
 logger = logging.getLogger("kvcache.sglang")
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _REGISTRATION_BACKOFF_S = 10.0
-_CLIENT_OPTIONS = (
-    "bearer_token_file",
-    "tls_ca_file",
-    "tls_cert_file",
-    "tls_key_file",
-    "tls_server_name",
-    "data_plane",
-)
-
 # A page's axes as each host layout holds them, for its flat page
 # (get_data_page) and for the pieces get_page_buffer_meta points at:
 # K = the K|V axis, L = layer, T = token, H = head, D = channel. The store's
@@ -96,22 +86,14 @@ class KvcacheHiCacheStorage(HiCacheStorage):
         if storage_config.is_mla_model:
             raise ValueError("KvcacheHiCacheStorage stores MHA pools only (no MLA)")
         extra = dict(storage_config.extra_config or {})
-        nodes = extra.get("nodes", os.environ.get("KVCACHE_NODES", ""))
-        if isinstance(nodes, str):
-            nodes = [n.strip() for n in nodes.split(",") if n.strip()]
-        if not nodes:
-            raise ValueError(
-                "KvcacheHiCacheStorage needs extra config 'nodes' (or "
-                "KVCACHE_NODES): the store nodes' host:port"
-            )
+        nodes = _shared.nodes(extra, "KvcacheHiCacheStorage's extra config 'nodes'")
         self._config = storage_config
         self._prefix = str(extra.get("namespace_prefix", "sglang/"))
         self._codec = str(extra.get("codec", "none"))
         self._timeout_s = float(extra.get("timeout_s", 5.0))
-        options = {k: extra[k] for k in _CLIENT_OPTIONS if k in extra}
-        self._options = options
+        self._options = _shared.client_options(extra)
         self._client = kvcache.ClusterClient(
-            list(nodes), timeout_s=self._timeout_s, **options
+            nodes, timeout_s=self._timeout_s, **self._options
         )
         self._spec: Optional[kvcache.NamespaceSpec] = None
         self._registered = False
@@ -141,7 +123,7 @@ class KvcacheHiCacheStorage(HiCacheStorage):
         self._shape = (host.layer_num, 2, host.page_size, host.head_num, host.head_dim)
         cfg = self._config
         dtype = _DTYPES[host.dtype]
-        model = _naming.model_id(str(cfg.model_name or "model"), "")
+        model = _shared.model_id(str(cfg.model_name or "model"), "")
         name = (
             f"{self._prefix}{model}/{dtype}/p{host.page_size}/"
             f"tp{cfg.tp_rank}of{cfg.tp_size}"
@@ -231,7 +213,7 @@ class KvcacheHiCacheStorage(HiCacheStorage):
 
     def _parents(self, keys: list[bytes], extra_info) -> list[bytes]:
         prefix = getattr(extra_info, "prefix_keys", None) or []
-        first = _naming.store_key(prefix[-1]) if prefix else b""
+        first = _shared.store_key(prefix[-1]) if prefix else b""
         return [first] + [b""] * (len(keys) - 1)
 
     # ------------------------------------------------------------------
@@ -246,7 +228,7 @@ class KvcacheHiCacheStorage(HiCacheStorage):
         self.counters["exists"] += 1
         try:
             hit = self._client.lookup(
-                self.namespace, [_naming.store_key(k) for k in keys],
+                self.namespace, _shared.store_keys(keys),
                 timeout_s=self._timeout_s,
             ).prefix_blocks
         except kvcache.Error as e:
@@ -267,7 +249,7 @@ class KvcacheHiCacheStorage(HiCacheStorage):
     ) -> List[bool]:
         if not keys:
             return []
-        staging = self._read([_naming.store_key(k) for k in keys])
+        staging = self._read(_shared.store_keys(keys))
         if staging is None:
             return [False] * len(keys)
         got = len(staging)
@@ -286,7 +268,7 @@ class KvcacheHiCacheStorage(HiCacheStorage):
         if not keys:
             return []
         staging = self._gather(self._pages(host_indices))
-        ok = self._write([_naming.store_key(k) for k in keys], staging, extra_info)
+        ok = self._write(_shared.store_keys(keys), staging, extra_info)
         return [ok] * len(keys)
 
     def _read(self, keys: list[bytes]) -> Optional[np.ndarray]:
@@ -298,6 +280,7 @@ class KvcacheHiCacheStorage(HiCacheStorage):
             read = self._client.get_layerwise(
                 self.namespace, keys, staging, timeout_s=self._timeout_s
             )
+            # Layers are delivered in order: the last one means all.
             got = read.wait_layer(self._shape[0] - 1)
         except kvcache.Error as e:
             self.counters["errors"] += 1
@@ -334,7 +317,7 @@ class KvcacheHiCacheStorage(HiCacheStorage):
         return got[0] if isinstance(got, list) else None
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
-        staging = self._read([_naming.store_key(k) for k in keys])
+        staging = self._read(_shared.store_keys(keys))
         out: list = [None] * len(keys)
         if staging is None:
             return out
@@ -355,7 +338,7 @@ class KvcacheHiCacheStorage(HiCacheStorage):
         if not keys:
             return True
         staging = np.stack([self._flat_to_block(v) for v in values])
-        return self._write([_naming.store_key(k) for k in keys], staging, None)
+        return self._write(_shared.store_keys(keys), staging, None)
 
     def clear(self) -> None:
         """Drops this rank's namespace on every node (its blocks go) and

@@ -57,7 +57,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvcache
-from kvcache import _naming
+from kvcache import _shared
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -119,32 +118,13 @@ class _Settings:
 
 def _settings(vllm_config: "VllmConfig") -> _Settings:
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    nodes = extra.get("nodes", os.environ.get("KVCACHE_NODES", ""))
-    if isinstance(nodes, str):
-        nodes = [n.strip() for n in nodes.split(",") if n.strip()]
-    if not nodes:
-        raise ValueError(
-            "KvcacheConnector needs kv_connector_extra_config.nodes "
-            "(or KVCACHE_NODES): the store nodes' host:port"
-        )
+    nodes = _shared.nodes(extra, "KvcacheConnector's kv_connector_extra_config.nodes")
     model = vllm_config.model_config
-    model_id = extra.get("model_id") or _model_id(
+    model_id = extra.get("model_id") or _shared.model_id(
         str(model.model), str(getattr(model, "revision", "") or "")
     )
-    options = {
-        k: extra[k]
-        for k in (
-            "bearer_token_file",
-            "tls_ca_file",
-            "tls_cert_file",
-            "tls_key_file",
-            "tls_server_name",
-            "data_plane",
-        )
-        if k in extra
-    }
     return _Settings(
-        nodes=list(nodes),
+        nodes=nodes,
         namespace_prefix=str(extra.get("namespace_prefix", "vllm/")),
         model_id=str(model_id),
         codec=str(extra.get("codec", "none")),
@@ -152,12 +132,8 @@ def _settings(vllm_config: "VllmConfig") -> _Settings:
         timeout_s=float(extra.get("timeout_s", 5.0)),
         lookup_timeout_s=float(extra.get("lookup_timeout_s", 2.0)),
         save_decode=bool(extra.get("save_decode", True)),
-        client_options=options,
+        client_options=_shared.client_options(extra),
     )
-
-
-def _model_id(model: str, revision: str) -> str:
-    return _naming.model_id(model, revision)
 
 
 def namespace_name(

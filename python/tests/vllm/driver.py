@@ -101,7 +101,8 @@ def poison(args) -> None:
     import numpy as np
 
     import kvcache
-    from kvcache.vllm import _model_id, _Settings, namespace_name
+    from kvcache._shared import model_id
+    from kvcache.vllm import _Settings, namespace_name
 
     with open(os.path.join(args.model, "config.json")) as f:
         config = json.load(f)
@@ -111,7 +112,7 @@ def poison(args) -> None:
     settings = _Settings(
         nodes=[args.node],
         namespace_prefix="vllm/",
-        model_id=_model_id(args.model, ""),
+        model_id=model_id(args.model, ""),
         codec="none",
         seed=0,
         timeout_s=5.0,
