@@ -7,6 +7,8 @@
 #   ROUNDS (default 50: the issue's figure) per codec x transport
 #   CODECS (default "kivi2 kivi4 fp8_e4m3"), TRANSPORTS ("tcp shm")
 #   FORMATS (default "fp16 raw"), PROMPT_TOKENS (16384)
+#   DTYPES (default "fp16"; "fp16 bf16": the engine's KV dtype, each run
+#   takes the next in turn)
 #   NODE_BIN (default the build's kvcache-node: another node to try)
 # Prints one line per run and a summary; exits non-zero on any failure.
 set -euo pipefail
@@ -17,6 +19,7 @@ codecs=${CODECS:-kivi2 kivi4 fp8_e4m3}
 transports=${TRANSPORTS:-tcp shm}
 formats=${FORMATS:-fp16 raw}
 read -r -a format_list <<<"$formats"
+read -r -a dtype_list <<<"${DTYPES:-fp16}"
 tokens=${PROMPT_TOKENS:-16384}
 for bin in service/kvcache-node client/examples/kvcache-prefill_worker \
   client/examples/kvcache-decode_worker; do
@@ -42,6 +45,7 @@ for transport in $transports; do
   for codec in $codecs; do
     for round in $(seq 1 "$rounds"); do
       format=${format_list[$(( (round - 1) % ${#format_list[@]} ))]}
+      dtype=${dtype_list[$(( (round - 1) % ${#dtype_list[@]} ))]}
       log=$work/node.log
       "$node_bin" --listen=127.0.0.1:0 --metrics-listen= \
         --memory=host:1GiB --data-plane=ucx --ucx-tcp-trusted-network=true --ucx-listen=127.0.0.1:0 \
@@ -54,7 +58,8 @@ for transport in $transports; do
         sleep 0.05
       done
       [[ -n $port ]] || { cat "$log"; echo "repro: node did not start" >&2; exit 1; }
-      args=(--nodes="127.0.0.1:$port" --codec="$codec" --prompt-tokens="$tokens")
+      args=(--nodes="127.0.0.1:$port" --codec="$codec" --dtype="$dtype"
+        --prompt-tokens="$tokens")
       rc=0
       "$build/client/examples/kvcache-prefill_worker" "${args[@]}" \
         >"$work/prefill.out" 2>&1 || rc=$?
@@ -73,10 +78,10 @@ for transport in $transports; do
       nonfinite=$((nonfinite + ${n:-0}))
       if ((rc != 0)) || [[ -z $states ]]; then
         failed=$((failed + 1))
-        echo "run $runs $transport $codec $format: FAILED (rc $rc)"
+        echo "run $runs $transport $codec $dtype $format: FAILED (rc $rc)"
         cat "$work/prefill.out" "$work/decode.out" 2>/dev/null | tail -5
       else
-        echo "run $runs $transport $codec $format: ok ($states)"
+        echo "run $runs $transport $codec $dtype $format: ok ($states)"
       fi
     done
   done

@@ -3,7 +3,8 @@
 
 The reference follows BRIEF section 4 directly, in NumPy float32 arithmetic
 (IEEE single, no fused multiply-add) with float16 round-to-nearest-even
-casts: FP8 by searching the table of every finite code's value (nearest,
+casts (bf16: round to nearest even on the float32 bits, the same
+arithmetic; KIVI's zero and scale in the source dtype): FP8 by searching the table of every finite code's value (nearest,
 ties to the even code, saturation to the largest finite), KIVI by min-max
 groups per channel (keys) or per token (values). Also checks that bad
 input gets one clear line and a non-zero exit. Exit 77 (skipped) without
@@ -44,6 +45,33 @@ E4M3 = fp8_table(4, 3, 7, 0x7F)   # 0x7F is NaN; max 448
 E5M2 = fp8_table(5, 2, 15, 0x7C)  # 0x7C is inf; max 57344
 
 
+class Fp16:
+    """The fp16 source dtype: values are numpy float16."""
+    name, npy = "fp16", np.float16
+
+    @staticmethod
+    def to_f32(x):
+        return x.astype(f32)
+
+    @staticmethod
+    def from_f32(a):  # round to nearest even
+        return np.asarray(a, dtype=f32).astype(np.float16)
+
+
+class Bf16:
+    """The bf16 source dtype: values are uint16 bit patterns."""
+    name, npy = "bf16", np.uint16
+
+    @staticmethod
+    def to_f32(x):
+        return (x.astype(np.uint32) << 16).view(f32)
+
+    @staticmethod
+    def from_f32(a):  # round to nearest even (the inputs here hold no NaN)
+        b = np.asarray(a, dtype=f32).view(np.uint32).astype(np.uint64)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 def fp8_round(q, table):
     """Nearest table value to each float32 in q, ties to the even code."""
     a = np.abs(q.astype(np.float64))
@@ -59,10 +87,10 @@ def fp8_round(q, table):
     return np.copysign(table[pick], q).astype(f32)
 
 
-def ref_fp8(x, table, static_scale=None):
+def ref_fp8(x, table, static_scale=None, src=Fp16):
     out = np.empty_like(x)
     for h in range(x.shape[1]):
-        xs = x[:, h, :].astype(f32)
+        xs = src.to_f32(x[:, h, :])
         if static_scale is None:
             amax = f32(np.max(np.abs(xs)))
             scale = f32(1.0) if amax == 0 else f32(amax / f32(table[-1]))
@@ -70,40 +98,42 @@ def ref_fp8(x, table, static_scale=None):
             scale = f32(static_scale)
         q = (xs / scale).astype(f32)
         code_values = fp8_round(q, table)
-        out[:, h, :] = (code_values * scale).astype(f32).astype(np.float16)
+        out[:, h, :] = src.from_f32((code_values * scale).astype(f32))
     return out
 
 
-def kivi_group(x, bits):
-    """Quantize then dequantize one group (1-d float16 array)."""
-    xs = x.astype(f32)
+def kivi_group(x, bits, src=Fp16):
+    """Quantize then dequantize one group (1-d array of the source dtype)."""
+    xs = src.to_f32(x)
     mn, mx = f32(xs.min()), f32(xs.max())
     if mn == 0:
         mn = f32(0.0)
     if mx == 0:
         mx = f32(0.0)
     levels = f32((1 << bits) - 1)
-    zero = np.float16(mn).astype(f32)
-    scale = np.float16(f32(mx - mn) / levels).astype(f32)
+    zero = src.to_f32(src.from_f32(mn))
+    scale = src.to_f32(src.from_f32(f32(mx - mn) / levels))
     if scale == 0:
         codes = np.zeros_like(xs)
     else:
         codes = np.clip(np.rint(((xs - zero) / scale).astype(f32)), 0, levels)
-    return ((codes.astype(f32) * scale).astype(f32) + zero).astype(f32).astype(np.float16)
+    return src.from_f32(((codes.astype(f32) * scale).astype(f32) + zero))
 
 
-def ref_kivi(x, bits, tensor, g=32):
+def ref_kivi(x, bits, tensor, g=32, src=Fp16):
     t_n, h_n, d_n = x.shape
     out = np.empty_like(x)
     for h in range(h_n):
         if tensor == "key":  # per channel, groups of g tokens
             for t0 in range(0, t_n, g):
                 for d in range(d_n):
-                    out[t0:t0 + g, h, d] = kivi_group(x[t0:t0 + g, h, d], bits)
+                    out[t0:t0 + g, h, d] = kivi_group(x[t0:t0 + g, h, d],
+                                                      bits, src)
         else:  # per token, groups of g channels
             for t in range(t_n):
                 for c0 in range(0, d_n, g):
-                    out[t, h, c0:c0 + g] = kivi_group(x[t, h, c0:c0 + g], bits)
+                    out[t, h, c0:c0 + g] = kivi_group(x[t, h, c0:c0 + g],
+                                                      bits, src)
     return out
 
 
@@ -124,43 +154,55 @@ def make_input(rng):
     return x
 
 
+def check_codecs(src, x, src_file, dst):
+    """Every codec's roundtrip of x (source dtype src) against the reference."""
+    failures = 0
+    cases = [
+        ("none", "key", [], lambda: x),
+        ("fp8_e4m3", "key", [], lambda: ref_fp8(x, E4M3, src=src)),
+        ("fp8_e4m3", "value", [], lambda: ref_fp8(x, E4M3, src=src)),
+        ("fp8_e5m2", "value", [], lambda: ref_fp8(x, E5M2, src=src)),
+        ("fp8_e4m3", "key", ["--scale", "1.0"],
+         lambda: ref_fp8(x, E4M3, 1.0, src)),  # 65504 and 300 saturate to 448
+        ("fp8_e5m2", "key", ["--scale", "0.5"],
+         lambda: ref_fp8(x, E5M2, 0.5, src)),
+        ("kivi2", "key", [], lambda: ref_kivi(x, 2, "key", src=src)),
+        ("kivi2", "value", [], lambda: ref_kivi(x, 2, "value", src=src)),
+        ("kivi4", "key", [], lambda: ref_kivi(x, 4, "key", src=src)),
+        ("kivi4", "value", [], lambda: ref_kivi(x, 4, "value", src=src)),
+    ]
+    for codec, tensor, extra, reference in cases:
+        run(["roundtrip", "--codec", codec, "--tensor", tensor,
+             "--dtype", src.name] + extra + [src_file, dst])
+        got = np.load(dst)
+        want = reference()
+        assert got.dtype == src.npy and got.shape == x.shape, got.dtype
+        diff = np.count_nonzero(got.view(np.uint16) != want.view(np.uint16))
+        label = f"{src.name} {codec} {tensor} {' '.join(extra)}".strip()
+        if diff:
+            failures += 1
+            i = np.argwhere(got.view(np.uint16) != want.view(np.uint16))[0]
+            print(f"FAIL {label}: {diff} values differ, first at {tuple(i)}:"
+                  f" tool {got[tuple(i)]!r} reference {want[tuple(i)]!r}")
+        else:
+            print(f"ok   {label}: {x.size} values bit-identical")
+    return failures
+
+
 def main():
     rng = np.random.default_rng(7)
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "in.npy")
+        src_file = os.path.join(tmp, "in.npy")
         dst = os.path.join(tmp, "out.npy")
-        x = make_input(rng)
-        np.save(src, x)
-        cases = [
-            ("none", "key", [], lambda: x),
-            ("fp8_e4m3", "key", [], lambda: ref_fp8(x, E4M3)),
-            ("fp8_e4m3", "value", [], lambda: ref_fp8(x, E4M3)),
-            ("fp8_e5m2", "value", [], lambda: ref_fp8(x, E5M2)),
-            ("fp8_e4m3", "key", ["--scale", "1.0"],
-             lambda: ref_fp8(x, E4M3, 1.0)),  # 65504 and 300 saturate to 448
-            ("fp8_e5m2", "key", ["--scale", "0.5"],
-             lambda: ref_fp8(x, E5M2, 0.5)),
-            ("kivi2", "key", [], lambda: ref_kivi(x, 2, "key")),
-            ("kivi2", "value", [], lambda: ref_kivi(x, 2, "value")),
-            ("kivi4", "key", [], lambda: ref_kivi(x, 4, "key")),
-            ("kivi4", "value", [], lambda: ref_kivi(x, 4, "value")),
-        ]
-        for codec, tensor, extra, reference in cases:
-            run(["roundtrip", "--codec", codec, "--tensor", tensor] + extra +
-                [src, dst])
-            got = np.load(dst)
-            want = reference()
-            assert got.dtype == np.float16 and got.shape == x.shape
-            diff = np.count_nonzero(got.view(np.uint16) != want.view(np.uint16))
-            label = f"{codec} {tensor} {' '.join(extra)}".strip()
-            if diff:
-                failures += 1
-                i = np.argwhere(got.view(np.uint16) != want.view(np.uint16))[0]
-                print(f"FAIL {label}: {diff} values differ, first at {tuple(i)}:"
-                      f" tool {got[tuple(i)]!r} reference {want[tuple(i)]!r}")
-            else:
-                print(f"ok   {label}: {x.size} values bit-identical")
+        x16 = make_input(rng)
+        xb = Bf16.from_f32(x16.astype(f32))
+        xb[60, 1, 60] = Bf16.from_f32(f32(1e30))  # beyond fp16's range
+        for src, x in ((Fp16, x16), (Bf16, xb)):
+            np.save(src_file, x)
+            failures += check_codecs(src, x, src_file, dst)
+        x = x16
+        np.save(src_file, x)
 
         # Bad input: one line on stderr, non-zero exit, no output file.
         f32_file = os.path.join(tmp, "f32.npy")
@@ -171,9 +213,15 @@ def main():
         y = x.copy()
         y[3, 1, 4] = np.float16(np.inf)
         np.save(nan_file, y)
+        bf16_file = os.path.join(tmp, "bf16.npy")
+        np.save(bf16_file, xb)
         bad = [
             (["roundtrip", "--codec", "fp8_e4m3", "--tensor", "key", f32_file],
              "float16"),
+            (["roundtrip", "--codec", "fp8_e4m3", "--tensor", "key", bf16_file],
+             "for --dtype fp16"),
+            (["roundtrip", "--codec", "fp8_e4m3", "--tensor", "key",
+              "--dtype", "bf16", src_file], "bf16 bit patterns (<u2)"),
             (["roundtrip", "--codec", "kivi2", "--tensor", "key", odd_file],
              "divide"),
             (["roundtrip", "--codec", "fp8_e4m3", "--tensor", "key", nan_file],

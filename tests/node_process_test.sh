@@ -47,6 +47,12 @@ timeout 300 "$bin_dir/tools/kvcache-demo" --node="127.0.0.1:$grpc_port" \
   --metrics="127.0.0.1:$metrics_port" --conversations=3 --turns=2 \
   --token-file="$work/token" | tee "$work/demo.txt"
 grep -q "quantization buys" "$work/demo.txt"
+# The same workload in bf16 (its own namespaces), every read checked.
+timeout 300 "$bin_dir/tools/kvcache-demo" --node="127.0.0.1:$grpc_port" \
+  --metrics="127.0.0.1:$metrics_port" --conversations=2 --turns=1 \
+  --token-file="$work/token" --dtype=bf16 | tee "$work/demo-bf16.txt"
+grep -q "bf16 MiB" "$work/demo-bf16.txt"
+grep -q "^wrong reads: 0$" "$work/demo-bf16.txt"
 
 curl -sf --max-time 10 "http://127.0.0.1:$metrics_port/metrics" >"$work/metrics.txt"
 for name in kvcache_pool_capacity_bytes kvcache_token_capacity_remaining \

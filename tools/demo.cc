@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <unordered_map>
@@ -34,6 +35,7 @@ namespace {
 
 using kvcache::BlockShape;
 using kvcache::Codec;
+using kvcache::SourceDtype;
 
 struct Args {
   std::string node = "127.0.0.1:50051";
@@ -42,6 +44,7 @@ struct Args {
   int turns = 3;
   uint64_t seed = 1;
   std::string token_file;  // a tenant's bearer token (--token-file)
+  SourceDtype dtype = SourceDtype::kFp16;  // the model's KV dtype (--dtype)
   std::vector<Codec> codecs = {Codec::kNone, Codec::kFp8E4M3, Codec::kKivi4,
                                Codec::kKivi2};
 };
@@ -58,7 +61,18 @@ std::string ChainKey(const std::string& parent, const uint32_t* tokens,
   return key;
 }
 
-// Synthetic KV of one block, a pure function of its key.
+// A value of the block's source dtype, from and to its bit pattern.
+uint16_t FromFloat(SourceDtype d, float x) {
+  return d == SourceDtype::kBf16 ? kvcache::kernels::Bf16FromFloat(x)
+                                 : kvcache::kernels::HalfFromFloat(x);
+}
+float ToFloat(SourceDtype d, uint16_t bits) {
+  return d == SourceDtype::kBf16 ? kvcache::kernels::Bf16ToFloat(bits)
+                                 : kvcache::kernels::HalfToFloat(bits);
+}
+
+// Synthetic KV of one block (in the shape's source dtype), a pure function
+// of its key.
 std::vector<uint16_t> BlockKv(const BlockShape& s, const std::string& key,
                               bool first_block) {
   uint64_t seed = XXH3_64bits(key.data(), key.size());
@@ -78,8 +92,8 @@ std::vector<uint16_t> BlockKv(const BlockShape& s, const std::string& key,
           float channel_scale = (d % 64 == 5 || d % 64 == 6) ? 12.0f : 1.0f;
           float key_value = normal(rng) * channel_scale;
           if (first_block && t == 0) key_value *= 4.0f;  // attention sink
-          k[i] = kvcache::kernels::HalfFromFloat(key_value);
-          v[i] = kvcache::kernels::HalfFromFloat(normal(rng) * 0.5f);
+          k[i] = FromFloat(s.source_dtype, key_value);
+          v[i] = FromFloat(s.source_dtype, normal(rng) * 0.5f);
         }
       }
     }
@@ -99,12 +113,12 @@ struct CodecRun {
   std::string first_wrong;
 };
 
-// Checks one block read back as fp16 against the legal states of what was
-// written for it.
+// Checks one block read back in its source dtype against the legal states
+// of what was written for it.
 void VerifyRead(const BlockShape& shape, CodecRun* run,
                 const std::vector<uint16_t>& original,
                 absl::Span<const uint16_t> back) {
-  run->non_finite += kvcache::kernels::CountNonFinite(back);
+  run->non_finite += kvcache::kernels::CountNonFinite(back, shape.source_dtype);
   kvcache::CodecPolicy policy;
   policy.codec = run->codec;
   auto states = kvcache::kernels::LegalStates::Make(shape, policy, original);
@@ -145,6 +159,10 @@ bool ParseArgs(int argc, char** argv, Args* args) {
       if (!absl::SimpleAtoi(a, &args->seed)) return false;
     } else if (absl::ConsumePrefix(&a, "--token-file=")) {
       args->token_file = std::string(a);
+    } else if (absl::ConsumePrefix(&a, "--dtype=")) {
+      std::optional<SourceDtype> d = kvcache::SourceDtypeFromName(a);
+      if (!d) return false;
+      args->dtype = *d;
     } else {
       return false;
     }
@@ -160,7 +178,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: kvcache-demo [--node=HOST:PORT] [--metrics=HOST:PORT]"
                  " [--conversations=N] [--turns=N] [--seed=N]"
-                 " [--token-file=FILE]\n");
+                 " [--token-file=FILE] [--dtype=fp16|bf16]\n");
     return 2;
   }
   kvcache::ClientOptions options;
@@ -174,13 +192,17 @@ int main(int argc, char** argv) {
   if (!client.ok()) return Fail("connect", client.status());
 
   // A Llama-style layout, scaled down in layers so the demo runs in seconds:
-  // 16 layers, 8 KV heads, head_dim 128, 32 tokens per block (2 MiB fp16).
-  const BlockShape shape{16, 8, 128, 32};
+  // 16 layers, 8 KV heads, head_dim 128, 32 tokens per block (2 MiB fp16
+  // or bf16).
+  const BlockShape shape{16, 8, 128, 32, args.dtype};
+  const std::string dtype(kvcache::SourceDtypeName(args.dtype));
   std::vector<CodecRun> runs;
   for (Codec codec : args.codecs) {
     CodecRun run;
     run.codec = codec;
-    run.ns = absl::StrCat("demo-llama/", kvcache::kernels::CodecName(codec));
+    // The dtype is part of a namespace's layout: bf16 gets its own names.
+    run.ns = absl::StrCat("demo-llama/", kvcache::kernels::CodecName(codec),
+                          args.dtype == SourceDtype::kBf16 ? "/bf16" : "");
     kvcache::NamespaceSpec spec;
     spec.name = run.ns;
     spec.model = "demo-llama-16L";
@@ -267,8 +289,8 @@ int main(int argc, char** argv) {
               shape, &run, original,
               absl::MakeConstSpan(back, got->blocks[b].bytes.size() / 2));
           for (size_t i = 0; i < original.size(); ++i) {
-            float x = kvcache::kernels::HalfToFloat(original[i]);
-            float y = kvcache::kernels::HalfToFloat(back[i]);
+            float x = ToFloat(shape.source_dtype, original[i]);
+            float y = ToFloat(shape.source_dtype, back[i]);
             run.err_sq += double(x - y) * double(x - y);
             run.ref_sq += double(x) * double(x);
             run.max_abs = std::max(run.max_abs, double(std::fabs(x - y)));
@@ -288,9 +310,10 @@ int main(int argc, char** argv) {
       args.conversations, args.turns, kSystemPrompts);
   std::printf(
       "layout: %u layers, %u kv heads, head_dim %u, %u tokens/block "
-      "(%.1f MiB fp16 per block)\n",
+      "(%.1f MiB %s per block)\n",
       shape.num_layers, shape.num_kv_heads, shape.head_dim,
-      shape.tokens_per_block, kvcache::kernels::Fp16BlockBytes(shape) / mib);
+      shape.tokens_per_block, kvcache::kernels::Fp16BlockBytes(shape) / mib,
+      dtype.c_str());
   std::printf(
       "node: %.0f MiB pool, %.0f MiB used (%.1f%%), %llu evictions, "
       "%.2f MiB fragmentation\n\n",
@@ -299,8 +322,8 @@ int main(int argc, char** argv) {
       static_cast<unsigned long long>(stats->evictions),
       stats->fragmentation_bytes / mib);
   std::printf("%-10s %8s %9s %10s %11s %13s %9s %10s %10s\n", "namespace",
-              "blocks", "tokens", "pool MiB", "fp16 MiB", "compression",
-              "hit rate", "rel RMSE", "max |err|");
+              "blocks", "tokens", "pool MiB", (dtype + " MiB").c_str(),
+              "compression", "hit rate", "rel RMSE", "max |err|");
   uint64_t residual_total = 0;
   for (const CodecRun& run : runs) {
     std::string name(kvcache::kernels::CodecName(run.codec));
@@ -318,9 +341,9 @@ int main(int argc, char** argv) {
   }
   if (residual_total > 0) {
     std::printf(
-        "(the kivi rows include each chain's newest 128 tokens, kept fp16 by "
+        "(the kivi rows include each chain's newest 128 tokens, kept %s by "
         "KIVI's residual window: %llu blocks now)\n",
-        static_cast<unsigned long long>(residual_total));
+        dtype.c_str(), static_cast<unsigned long long>(residual_total));
   }
   std::printf(
       "\ntokens that still fit in the free pool, by codec (layout "
@@ -337,9 +360,9 @@ int main(int argc, char** argv) {
   if (fit("none") > 0) {
     std::printf(
         "  quantization buys: fp8_e4m3 %.2fx, kivi4 %.2fx, kivi2 "
-        "%.2fx the tokens of fp16\n",
+        "%.2fx the tokens of %s\n",
         fit("fp8_e4m3") / fit("none"), fit("kivi4") / fit("none"),
-        fit("kivi2") / fit("none"));
+        fit("kivi2") / fit("none"), dtype.c_str());
   }
   std::printf(
       "\nprefix lookups: %llu blocks hit, %llu missed over %llu "

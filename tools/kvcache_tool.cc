@@ -2,15 +2,19 @@
 // researchers.
 //
 //   kvcache-tool roundtrip --codec C --tensor key|value [--group-size G]
-//                          [--scale dynamic|FLOAT] IN.npy OUT.npy
+//                          [--scale dynamic|FLOAT] [--dtype fp16|bf16]
+//                          IN.npy OUT.npy
 //   kvcache-tool eval [--synthetic SEED | K.npy V.npy Q.npy]
 //                     [--tokens-per-block N]
 //   kvcache-tool hash-token [--token-file FILE]
 //   kvcache-tool node-roundtrip --node HOST:PORT --codec C ... K V OUTK OUTV
 //
-// roundtrip: IN is fp16 [tokens, kv_heads, head_dim], one layer's keys or
-// values of one block; OUT is what the store would hand back after storing
-// it with the codec (dequantized fp16, same shape). eval: the quality report
+// roundtrip: IN is [tokens, kv_heads, head_dim], one layer's keys or values
+// of one block, in the namespace's source dtype: float16 for --dtype fp16
+// (the default), uint16 bf16 bit patterns for --dtype bf16 (NumPy has no
+// bf16; torch's `t.view(torch.uint16).numpy()` gives them); OUT is what the
+// store would hand back after storing it with the codec (dequantized into
+// the same dtype and shape). eval: the quality report
 // of every codec: elementwise relative RMSE of K and V, relative error of
 // the attention output softmax(q K^T / sqrt(d)) V and the KL divergence of
 // the attention probabilities, on synthetic KV or on given tensors.
@@ -26,6 +30,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,12 +51,14 @@ namespace {
 
 using kernels::Codec;
 using kernels::CodecPolicy;
+using kernels::SourceDtype;
+using kernels::SourceDtypeName;
 
 constexpr char kUsage[] =
     "usage:\n"
     "  kvcache-tool roundtrip --codec {none,fp8_e4m3,fp8_e5m2,kivi2,kivi4}\n"
     "      --tensor {key,value} [--group-size G] [--scale dynamic|FLOAT]\n"
-    "      IN.npy OUT.npy\n"
+    "      [--dtype fp16|bf16] IN.npy OUT.npy\n"
     "  kvcache-tool eval [--synthetic SEED | K.npy V.npy Q.npy]\n"
     "      [--tokens-per-block N]\n"
     "  kvcache-tool hash-token [--token-file FILE]   (else standard input)\n"
@@ -71,10 +78,19 @@ int Usage(const std::string& message) {
 bool IsFp8(Codec c) { return c == Codec::kFp8E4M3 || c == Codec::kFp8E5M2; }
 bool IsKivi(Codec c) { return c == Codec::kKivi2 || c == Codec::kKivi4; }
 
-absl::Status CheckKvShape(const NpyArray& a, const std::string& what) {
-  if (a.descr != "<f2") {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": dtype ", a.descr, "; expected float16 (<f2)"));
+// The .npy dtype that holds `dtype`'s bit patterns.
+const char* NpyDescr(SourceDtype dtype) {
+  return dtype == SourceDtype::kBf16 ? "<u2" : "<f2";
+}
+
+absl::Status CheckKvShape(const NpyArray& a, const std::string& what,
+                          SourceDtype dtype = SourceDtype::kFp16) {
+  if (a.descr != NpyDescr(dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": dtype ", a.descr, "; expected ",
+        dtype == SourceDtype::kBf16 ? "uint16 bf16 bit patterns (<u2)"
+                                    : "float16 (<f2)",
+        " for --dtype ", SourceDtypeName(dtype)));
   }
   if (a.shape.size() != 3 || a.elements() == 0) {
     return absl::InvalidArgumentError(
@@ -91,7 +107,7 @@ absl::Status CheckKvShape(const NpyArray& a, const std::string& what) {
 }
 
 int Roundtrip(const std::vector<std::string>& args) {
-  std::string codec_name, tensor, scale = "dynamic";
+  std::string codec_name, tensor, scale = "dynamic", dtype_name = "fp16";
   uint32_t group_size = 0;
   std::vector<std::string> files;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -100,10 +116,11 @@ int Roundtrip(const std::vector<std::string>& args) {
       return i + 1 < args.size() ? &args[++i] : nullptr;
     };
     if (a == "--codec" || a == "--tensor" || a == "--scale" ||
-        a == "--group-size") {
+        a == "--group-size" || a == "--dtype") {
       const std::string* v = value();
       if (v == nullptr) return Usage(a + " needs a value");
       if (a == "--codec") codec_name = *v;
+      if (a == "--dtype") dtype_name = *v;
       if (a == "--tensor") tensor = *v;
       if (a == "--scale") scale = *v;
       if (a == "--group-size" &&
@@ -122,6 +139,8 @@ int Roundtrip(const std::vector<std::string>& args) {
   if (tensor != "key" && tensor != "value") {
     return Usage("--tensor must be key or value");
   }
+  std::optional<SourceDtype> dtype = kernels::SourceDtypeFromName(dtype_name);
+  if (!dtype) return Usage("--dtype must be fp16 or bf16");
   CodecPolicy policy;
   policy.codec = *codec;
   if (group_size != 0) {
@@ -141,13 +160,13 @@ int Roundtrip(const std::vector<std::string>& args) {
 
   absl::StatusOr<NpyArray> in = ReadNpy(files[0]);
   if (!in.ok()) return Error(std::string(in.status().message()));
-  if (absl::Status s = CheckKvShape(*in, files[0]); !s.ok()) {
+  if (absl::Status s = CheckKvShape(*in, files[0], *dtype); !s.ok()) {
     return Error(std::string(s.message()));
   }
   // One layer, this tensor in its K or V slot; the other slot is zeros.
   const kernels::BlockShape shape{1, static_cast<uint32_t>(in->shape[1]),
                                   static_cast<uint32_t>(in->shape[2]),
-                                  static_cast<uint32_t>(in->shape[0])};
+                                  static_cast<uint32_t>(in->shape[0]), *dtype};
   if (absl::Status s = kernels::ValidatePolicy(shape, policy); !s.ok()) {
     return Error(absl::StrCat(files[0], ": ", s.message()));
   }
@@ -168,7 +187,7 @@ int Roundtrip(const std::vector<std::string>& args) {
     return Error(std::string(s.message()));
   }
   NpyArray out;
-  out.descr = "<f2";
+  out.descr = NpyDescr(*dtype);
   out.shape = in->shape;
   out.data.resize(n * 2);
   std::memcpy(out.data.data(), decoded.data() + slot, n * 2);

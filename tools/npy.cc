@@ -49,7 +49,7 @@ absl::StatusOr<std::string> DictValue(absl::string_view header,
 }
 
 size_t ElementSize(const std::string& descr) {
-  if (descr == "<f2") return 2;
+  if (descr == "<f2" || descr == "<u2") return 2;
   if (descr == "<f4") return 4;
   return 0;
 }
@@ -104,9 +104,11 @@ absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes,
   array.descr =
       std::string(absl::StripSuffix(absl::StripPrefix(*descr, "'"), "'"));
   if (array.descr == "|f2" || array.descr == "=f2") array.descr = "<f2";
+  if (array.descr == "|u2" || array.descr == "=u2") array.descr = "<u2";
   if (ElementSize(array.descr) == 0) {
-    return bad(absl::StrCat("dtype ", array.descr,
-                            " is not little-endian float16 or float32"));
+    return bad(
+        absl::StrCat("dtype ", array.descr,
+                     " is not little-endian float16, float32 or uint16"));
   }
   if (*order != "False") return bad("Fortran-ordered arrays are not supported");
   absl::string_view dims =

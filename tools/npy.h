@@ -1,7 +1,8 @@
-// Minimal .npy (NumPy format 1.0/2.0/3.0) reading and writing for fp16 and
-// fp32 arrays in C order, little-endian — what kvcache-tool exchanges with
-// Python. Anything else (other dtypes, Fortran order, big-endian, truncated
-// data) is an INVALID_ARGUMENT that names the problem.
+// Minimal .npy (NumPy format 1.0/2.0/3.0) reading and writing for fp16,
+// fp32 and uint16 (bf16 bit patterns) arrays in C order, little-endian — what
+// kvcache-tool exchanges with Python. Anything else (other dtypes, Fortran
+// order, big-endian, truncated data) is an INVALID_ARGUMENT that names the
+// problem.
 #ifndef KVCACHE_TOOLS_NPY_H_
 #define KVCACHE_TOOLS_NPY_H_
 
@@ -16,7 +17,7 @@
 namespace kvcache::tools {
 
 struct NpyArray {
-  std::string descr;  // "<f2" or "<f4"
+  std::string descr;  // "<f2", "<f4" or "<u2"
   std::vector<uint64_t> shape;
   std::vector<uint8_t> data;  // raw little-endian elements
   uint64_t elements() const;

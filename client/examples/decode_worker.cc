@@ -87,14 +87,13 @@ int Run(const WorkerArgs& a) {
           const uint16_t* row =
               engine.tensors[l].data() + EngineOffset(engine, kv, p, h);
           for (uint32_t d = 0; d < a.head_dim; ++d) {
-            const uint16_t want =
-                SyntheticKv(a.prompt_seed, p, tokens[p], l, kv, h, d);
+            const uint16_t want = SyntheticKv(a, p, tokens[p], l, kv, h, d);
             ++checked;
             if (a.codec == Codec::kNone) {
               mismatches += row[d] != want;
             } else {
-              const double w = kernels::HalfToFloat(want);
-              const double g = kernels::HalfToFloat(row[d]);
+              const double w = KvValue(a, want);
+              const double g = KvValue(a, row[d]);
               err_sq += (g - w) * (g - w);
               ref_sq += w * w;
             }
@@ -108,7 +107,7 @@ int Run(const WorkerArgs& a) {
   uint64_t as_written = 0, round_trips = 0, wrong = 0, non_finite = 0;
   for (uint32_t b = 0; b < loaded; ++b) {
     const std::vector<uint16_t> got = EngineBlock(a, engine, b);
-    non_finite += kernels::CountNonFinite(got);
+    non_finite += kernels::CountNonFinite(got, a.dtype);
     auto states = kernels::LegalStates::Make(spec.shape, *spec.policy,
                                              SourceBlock(a, tokens, b));
     absl::StatusOr<kernels::BlockState> state =

@@ -43,7 +43,7 @@ int Run(const WorkerArgs& a) {
           uint16_t* row =
               engine.tensors[l].data() + EngineOffset(engine, kv, p, h);
           for (uint32_t d = 0; d < a.head_dim; ++d) {
-            row[d] = SyntheticKv(a.prompt_seed, p, tokens[p], l, kv, h, d);
+            row[d] = SyntheticKv(a, p, tokens[p], l, kv, h, d);
           }
         }
       }

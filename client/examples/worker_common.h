@@ -38,6 +38,7 @@ struct WorkerArgs {
   std::string token_file;          // --token-file: a tenant's bearer token
   std::string ns = "example/llama-8L";
   Codec codec = Codec::kNone;
+  SourceDtype dtype = SourceDtype::kFp16;  // the engine's KV dtype
   uint32_t prompt_tokens = 1000;
   uint64_t prompt_seed = 1;
   uint64_t hash_seed = 0;
@@ -58,6 +59,7 @@ struct WorkerArgs {
 inline const char* kCommonUsage =
     "  --nodes=HOST:PORT[,HOST:PORT...] | --dns=NAME:PORT\n"
     "  [--namespace=NAME] [--codec=none|fp8_e4m3|fp8_e5m2|kivi2|kivi4]\n"
+    "  [--dtype=fp16|bf16]\n"
     "  [--prompt-tokens=N] [--prompt-seed=N] [--hash-seed=N] [--salt=S]\n"
     "  [--segment-blocks=N]\n"
     "  [--layers=N] [--kv-heads=N] [--head-dim=N] [--tokens-per-block=N]\n"
@@ -88,6 +90,10 @@ inline bool ParseArgs(int argc, char** argv, WorkerArgs* a) {
       std::optional<Codec> c = kernels::CodecFromName(v);
       ok = c.has_value();
       if (ok) a->codec = *c;
+    } else if (flag("--dtype=")) {
+      std::optional<SourceDtype> d = SourceDtypeFromName(v);
+      ok = d.has_value();
+      if (ok) a->dtype = *d;
     } else if (flag("--prompt-tokens=")) {
       ok = ParseNumber(v, &a->prompt_tokens);
     } else if (flag("--prompt-seed=")) {
@@ -162,12 +168,14 @@ inline absl::StatusOr<std::unique_ptr<ClusterClient>> MakeClient(
 }
 
 inline BlockShape Shape(const WorkerArgs& a) {
-  return {a.layers, a.kv_heads, a.head_dim, a.tokens_per_block};
+  return {a.layers, a.kv_heads, a.head_dim, a.tokens_per_block, a.dtype};
 }
 
 inline NamespaceSpec Spec(const WorkerArgs& a) {
   NamespaceSpec spec;
-  spec.name = absl::StrCat(a.ns, "/", kernels::CodecName(a.codec));
+  // The dtype is part of a namespace's layout: each gets its own name.
+  spec.name = absl::StrCat(a.ns, "/", kernels::CodecName(a.codec),
+                           a.dtype == SourceDtype::kBf16 ? "/bf16" : "");
   spec.model = "example-llama";
   spec.revision = "1";
   spec.shape = Shape(a);
@@ -201,15 +209,23 @@ inline uint64_t Mix(uint64_t x) {  // splitmix64 finalizer
   return x ^ (x >> 31);
 }
 
-// Synthetic KV element, an fp16 bit pattern in about [-4, 4].
-inline uint16_t SyntheticKv(uint64_t seed, uint64_t pos, uint32_t token,
+// An element's value: `bits` read as the worker's dtype.
+inline float KvValue(const WorkerArgs& a, uint16_t bits) {
+  return a.dtype == SourceDtype::kBf16 ? kernels::Bf16ToFloat(bits)
+                                       : kernels::HalfToFloat(bits);
+}
+
+// Synthetic KV element, a bit pattern of the worker's dtype in about [-4, 4].
+inline uint16_t SyntheticKv(const WorkerArgs& a, uint64_t pos, uint32_t token,
                             uint32_t layer, uint32_t kv, uint32_t head,
                             uint32_t dim) {
+  const uint64_t seed = a.prompt_seed;
   uint64_t h = Mix(seed ^ Mix(pos * 0x100000001B3ull + token));
   h = Mix(h ^ (uint64_t{layer} << 40 | uint64_t{kv} << 32 |
                uint64_t{head} << 16 | dim));
   const float x = (static_cast<float>(h % 20001) - 10000.0f) / 2500.0f;
-  return kernels::HalfFromFloat(x);
+  return a.dtype == SourceDtype::kBf16 ? kernels::Bf16FromFloat(x)
+                                       : kernels::HalfFromFloat(x);
 }
 
 // An engine's paged KV cache (host memory) with a shuffled block table, so
@@ -274,7 +290,7 @@ inline std::vector<uint16_t> SourceBlock(const WorkerArgs& a,
         const uint64_t p = uint64_t{b} * a.tokens_per_block + t;
         for (uint32_t h = 0; h < a.kv_heads; ++h) {
           for (uint32_t d = 0; d < a.head_dim; ++d) {
-            block[i++] = SyntheticKv(a.prompt_seed, p, tokens[p], l, kv, h, d);
+            block[i++] = SyntheticKv(a, p, tokens[p], l, kv, h, d);
           }
         }
       }
