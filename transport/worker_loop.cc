@@ -5,6 +5,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -122,7 +123,8 @@ bool WorkerLoop::RunTasks() {
 
 void WorkerLoop::Run() {
   ucp_worker_h worker = worker_->get();
-  int idle = 0;  // empty iterations since the last event
+  int idle = 0;  // empty polls since the last event
+  absl::Time last_event = absl::Now();
   while (!stop_requested_.load(std::memory_order_acquire)) {
     bool active = RunTasks();
     for (int i = 0; i < kMaxProgressBurst && ucp_worker_progress(worker) != 0;
@@ -131,26 +133,33 @@ void WorkerLoop::Run() {
     }
     if (active) {
       idle = 0;
+      last_event = absl::Now();
       continue;
     }
-    // Poll while transfers are in flight or an event was just seen; yield
-    // each time so that other threads of a busy host still run.
-    if (busy_ > 0 || ++idle < options_.spin_iterations) {
+    // Poll a little after an event (the next completion often follows at
+    // once); yield each time so that other threads of a busy host run.
+    if (++idle < options_.spin_iterations &&
+        absl::Now() - last_event < options_.spin_time) {
       sched_yield();
       continue;
     }
     if (ucp_worker_arm(worker) == UCS_ERR_BUSY) continue;
+    const absl::Duration wait =
+        busy_ > 0 ? options_.busy_wait : options_.idle_wait;
     epoll_event events[2];
     int n = epoll_wait(
         epoll_fd_, events, 2,
-        static_cast<int>(absl::ToInt64Milliseconds(options_.idle_wait)));
+        std::max(1, static_cast<int>(absl::ToInt64Milliseconds(wait))));
     for (int i = 0; i < n; ++i) {
       if (events[i].data.fd == event_fd_) {
         uint64_t count = 0;
         [[maybe_unused]] ssize_t r = read(event_fd_, &count, sizeof(count));
       }
     }
-    idle = 0;
+    if (n != 0) {  // woken (a timeout is no event: straight back to sleep)
+      idle = 0;
+      last_event = absl::Now();
+    }
   }
   // Stopping: run what was posted before Stop(), then the owner's shutdown,
   // then progress (bounded) so that closes and cancellations complete.

@@ -4,11 +4,14 @@
 //  * Only the loop thread touches the worker and the objects bound to it
 //    (listener, endpoints, remote keys, requests); other threads hand work
 //    over with Post(), which never blocks on the loop.
-//  * The thread never sleeps while the owner reports operations in flight
-//    (AddBusy) or within `spin_iterations` empty polls of the last event
-//    (it yields the CPU between polls); otherwise it arms the worker and
-//    sleeps in epoll on the worker's event fd and the loop's eventfd, at
-//    most `idle_wait` at a time, so that every wait is bounded.
+//  * After the last event the thread polls at most `spin_iterations` times
+//    and for at most `spin_time` (yielding the CPU between polls); then it
+//    arms the worker and sleeps in epoll on the worker's event fd and the
+//    loop's eventfd, whether or not operations are in flight: a spinning
+//    progress thread per client process starves every other process on
+//    shared cores. Every sleep is bounded: `busy_wait` while the owner
+//    reports operations in flight (AddBusy), a safety net should an event
+//    be missed; `idle_wait` otherwise.
 //  * Posted tasks run in FIFO order on the loop thread. Once Stop() has
 //    begun, Post() drops the task and returns false.
 //  * Stop() runs the owner's shutdown task on the loop thread (it must
@@ -38,6 +41,8 @@ class WorkerLoop {
   struct Options {
     std::string name = "kvcache";
     int spin_iterations = 64;
+    absl::Duration spin_time = absl::Microseconds(30);
+    absl::Duration busy_wait = absl::Milliseconds(1);
     absl::Duration idle_wait = absl::Milliseconds(100);
     // UCX settings of the loop's context (Context::Create).
     Context::Settings ucx_settings;
@@ -61,7 +66,8 @@ class WorkerLoop {
   bool InLoopThread() const {
     return std::this_thread::get_id() == thread_.get_id();
   }
-  // Loop thread only: operations in flight keep the thread spinning.
+  // Loop thread only: operations in flight (they bound its sleeps by
+  // busy_wait).
   void AddBusy(int delta) { busy_ += delta; }
 
  private:
