@@ -1,9 +1,9 @@
 // fuzz_npy: the .npy reader of kvcache-tool (tools/npy.h) on arbitrary
 // bytes. It must answer OK or INVALID_ARGUMENT; an array it accepts must be
-// what its callers assume: a "<f2" or "<f4" dtype, and data of exactly
-// elements() * element size bytes, where the product of the shape does not
-// overflow. An accepted array written again (NpyBytes) must read back the
-// same.
+// what its callers assume: a "<f2", "<f4" or "<u2" (bf16 bit patterns)
+// dtype, and data of exactly elements() * element size bytes, where the
+// product of the shape does not overflow. An accepted array written again
+// (NpyBytes) must read back the same.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -31,12 +31,12 @@ void Check(absl::string_view bytes) {
     return;
   }
   uint64_t element_bytes = 0;
-  if (a->descr == "<f2") {
+  if (a->descr == "<f2" || a->descr == "<u2") {
     element_bytes = 2;
   } else if (a->descr == "<f4") {
     element_bytes = 4;
   } else {
-    Fail("accepted a dtype other than <f2 and <f4");
+    Fail("accepted a dtype other than <f2, <f4 and <u2");
   }
   uint64_t elements = 1;
   for (uint64_t d : a->shape) {
