@@ -123,6 +123,14 @@ absl::Status ApplyFlag(absl::string_view name, absl::string_view value,
       return Bad(name, value, "expected HOST:PORT");
     }
     o.ucx.listen = std::string(value);
+  } else if (name == "prefault-memory") {
+    if (value == "true") {
+      o.prefault_memory = true;
+    } else if (value == "false") {
+      o.prefault_memory = false;
+    } else {
+      return Bad(name, value, "expected true or false");
+    }
   } else if (name == "ucx-tcp-trusted-network") {
     if (value == "true") {
       o.ucx.tcp_trusted_network = true;
@@ -189,7 +197,11 @@ Usage: kvcache-node [--flag=value ...]
                                 empty disables)
   --memory=host:SIZE            memory tier and size, e.g. host:1GiB
                                 (gpu:INDEX:SIZE is refused: no GPU tier yet)
-  --page-size=BYTES             pool page size, power of two (default 64KiB)
+  --page-size=BYTES             pool page size, power of two (default 16KiB)
+  --prefault-memory=BOOL        true (default): fault the host memory in on
+                                a background thread from the start, so the
+                                first writes run at full speed (the node's
+                                RSS is the whole --memory at once)
   --default-codec=CODEC         codec of namespaces that name none:
                                 none, fp8_e4m3 (default), fp8_e5m2, kivi2, kivi4
   --lease-ttl=SECONDS           default read/write lease TTL (default 30)

@@ -23,6 +23,10 @@ absl::Status Node::Start() {
       store::CreateArena(options_.memory);
   if (!arena.ok()) return arena.status();
   std::string arena_description = (*arena)->Describe();
+  if (options_.prefault_memory) {
+    (*arena)->StartPrefault();
+    arena_description += ", faulted in by a background thread";
+  }
   absl::StatusOr<std::unique_ptr<store::Store>> store =
       store::Store::Create(options_.store, *std::move(arena));
   if (!store.ok()) return store.status();

@@ -64,6 +64,10 @@ struct NodeOptions {
   absl::Duration drain_timeout = absl::Seconds(20);
   absl::Duration reaper_interval = absl::Milliseconds(200);
   int worker_threads = 0;  // 0: hardware concurrency
+  // Faults the host arena in on a background thread from the start
+  // (Arena::StartPrefault): the node's resident memory is then the whole
+  // arena at once, and the first writes run as fast as later ones.
+  bool prefault_memory = true;
   DataPlaneMode data_plane = DataPlaneMode::kNone;
   // With kUcx: listener, advertised host, staging bound. The lease TTLs
   // are taken from `store`.

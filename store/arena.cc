@@ -2,8 +2,11 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -26,6 +29,8 @@ class HostArena final : public Arena {
         huge_(huge),
         pinned_(pinned) {}
   ~HostArena() override {
+    stop_prefault_.store(true, std::memory_order_relaxed);
+    if (prefaulter_.joinable()) prefaulter_.join();
     if (pinned_) internal::UnpinHostMemory(base_);
     munmap(base_, size_);
   }
@@ -48,12 +53,39 @@ class HostArena final : public Arena {
     return absl::OkStatus();
   }
   uint8_t* host_base() const override { return base_; }
+  void StartPrefault() override {
+    if (prefaulter_.joinable()) return;
+    prefaulter_ = std::thread([this] { Prefault(); });
+  }
+  bool prefaulted() const override {
+    return prefaulted_.load(std::memory_order_acquire);
+  }
 
  private:
+  // Populating a page that is resident already leaves it as it is, and a
+  // store write racing the populate of a page meets the same fault path:
+  // either way no byte changes.
+  void Prefault() {
+    constexpr uint64_t kStep = 64ull << 20;
+    for (uint64_t at = 0; at < size_; at += kStep) {
+      if (stop_prefault_.load(std::memory_order_relaxed)) return;
+      const size_t n = static_cast<size_t>(std::min(kStep, size_ - at));
+      int rc;
+      do {
+        rc = madvise(base_ + at, n, MADV_POPULATE_WRITE);
+      } while (rc != 0 && (errno == EINTR || errno == EAGAIN));
+      if (rc != 0) return;  // EINVAL: an older kernel; ENOMEM: no memory
+    }
+    prefaulted_.store(true, std::memory_order_release);
+  }
+
   uint8_t* base_;
   uint64_t size_;
   bool huge_;
   bool pinned_;
+  std::atomic<bool> stop_prefault_{false};
+  std::atomic<bool> prefaulted_{false};
+  std::thread prefaulter_;  // joined before the mapping goes
 };
 
 }  // namespace

@@ -6,6 +6,8 @@
 //  * host:SIZE — one anonymous mapping, transparent huge pages advised, and
 //    pinned with cudaHostRegister when the build has CUDA and a device
 //    exists (so device copies and future GPU codecs run at full speed).
+//    StartPrefault faults it in on a background thread, so that the first
+//    writes into it do not pay the kernel's page faults.
 //  * gpu:INDEX:SIZE — cudaMalloc on that device; Write/Read are synchronous
 //    cudaMemcpy. Asking for a device that is not there (or a build without
 //    CUDA) fails at start-up with one clear message.
@@ -51,6 +53,15 @@ class Arena {
   // memory), else nullptr: readers use stored bytes in place, writers fill
   // pages they own in place.
   virtual uint8_t* host_base() const { return nullptr; }
+  // Makes the whole region resident in the background, without changing a
+  // byte of it (MADV_POPULATE_WRITE, 64 MiB at a time), and returns at
+  // once; safe while the region is in use. The arena's destructor stops
+  // and joins that work. Where the kernel cannot (before Linux 5.14, or
+  // out of memory) it stops quietly, and pages fault in as they are first
+  // written. A no-op on device memory and on a second call.
+  virtual void StartPrefault() {}
+  // True once StartPrefault has made every page resident.
+  virtual bool prefaulted() const { return false; }
 };
 
 // Creates the arena named by spec, or explains why it cannot.

@@ -13,7 +13,8 @@ TEST(FlagsTest, ParsesEveryFlag) {
   auto f = ParseNodeFlags({"--listen=127.0.0.1:1234", "--memory=host:2GiB",
                            "--metrics-listen=", "--page-size=16KiB",
                            "--default-codec=kivi2", "--drain-timeout=3.5",
-                           "--health-listen=0.0.0.0:8081"});
+                           "--health-listen=0.0.0.0:8081",
+                           "--prefault-memory=false"});
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->options.listen, "127.0.0.1:1234");
   EXPECT_EQ(f->options.memory.bytes, 2ull << 30);
@@ -22,6 +23,8 @@ TEST(FlagsTest, ParsesEveryFlag) {
   EXPECT_EQ(f->options.store.default_codec, kernels::Codec::kKivi2);
   EXPECT_EQ(f->options.drain_timeout, absl::Seconds(3.5));
   EXPECT_EQ(f->options.health_listen, "0.0.0.0:8081");
+  EXPECT_FALSE(f->options.prefault_memory);
+  EXPECT_TRUE(ParseNodeFlags({})->options.prefault_memory);
   EXPECT_FALSE(f->help);
 }
 
@@ -42,7 +45,8 @@ TEST(FlagsTest, ParsesTheTenantsFlags) {
 TEST(FlagsTest, RejectsBadInputNamingTheFlag) {
   for (const char* bad :
        {"--memory=host:lots", "--default-codec=int3", "--bogus=1", "listen",
-        "--listen", "--drain-timeout=-1", "--page-size=huge"}) {
+        "--listen", "--drain-timeout=-1", "--page-size=huge",
+        "--prefault-memory=yes"}) {
     auto f = ParseNodeFlags({bad});
     EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
