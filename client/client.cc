@@ -18,6 +18,7 @@
 #include "client/buffer_pool.h"
 #include "client/client_impl.h"
 #include "client/grpc_status.h"
+#include "client/read_decode.h"
 #include "client/ucx/client_plane.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/codec.h"
@@ -345,6 +346,14 @@ void Client::Impl::RefusePulls(const std::string& node) {
   pull_refused.insert(node);
 }
 
+ReadOptions Client::Impl::OnTheWire(const ReadOptions& read) const {
+  ReadOptions wire = read;
+  if (options.decode_on_client && read.format == ReadFormat::kFp16) {
+    wire.format = ReadFormat::kRaw;
+  }
+  return wire;
+}
+
 absl::StatusOr<Client::Impl::Begun> Client::Impl::BeginRead(
     const std::string& ns, const std::vector<std::string>& keys,
     const ReadOptions& read, uint64_t pin_lease, bool inline_data,
@@ -404,6 +413,14 @@ struct PendingRead::Impl {
   absl::Time deadline;
   std::shared_ptr<CancelToken> cancel;
   uint32_t plane_layers = 1;
+  // A read decoded on the client (ClientOptions::decode_on_client) whose
+  // blocks travel raw: the raw answer (blocks' codecs and lengths), and the
+  // DataBuffer they land in and the decoder that turns them into fp16 in
+  // the caller's memory. Declared before `read`, so that the transfer has
+  // ended before its landing buffer goes back to the pool.
+  v1::BeginReadResponse raw_answer;
+  std::unique_ptr<DataBuffer> landing;
+  std::unique_ptr<internal::LayerDecoder> decoder;
   std::unique_ptr<ucx::ClientPlane::Read> read;  // null: inline, all there
 };
 
@@ -415,15 +432,24 @@ absl::Status PendingRead::WaitLayer(uint32_t layer) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", layer, " of a ", num_layers(), "-layer block"));
   }
-  if (impl_->read == nullptr) return absl::OkStatus();
-  return impl_->read->WaitLayers(std::min(layer + 1, impl_->plane_layers),
-                                 impl_->deadline, impl_->cancel.get());
+  if (impl_->read != nullptr) {
+    absl::Status st =
+        impl_->read->WaitLayers(std::min(layer + 1, impl_->plane_layers),
+                                impl_->deadline, impl_->cancel.get());
+    if (!st.ok()) return st;
+  }
+  if (impl_->decoder == nullptr) return absl::OkStatus();
+  return impl_->decoder->DecodeThrough(layer + 1);
 }
 
 absl::Status PendingRead::Wait() {
-  if (impl_->read == nullptr) return absl::OkStatus();
-  return impl_->read->WaitLayers(impl_->plane_layers, impl_->deadline,
-                                 impl_->cancel.get());
+  if (impl_->read != nullptr) {
+    absl::Status st = impl_->read->WaitLayers(
+        impl_->plane_layers, impl_->deadline, impl_->cancel.get());
+    if (!st.ok()) return st;
+  }
+  if (impl_->decoder == nullptr) return absl::OkStatus();
+  return impl_->decoder->DecodeThrough(num_layers());
 }
 
 uint32_t PendingRead::num_layers() const {
@@ -581,33 +607,39 @@ GetResult WithInlineBytes(v1::BeginReadResponse& response, GetResult result) {
 
 }  // namespace
 
+absl::StatusOr<Client::Impl::Landing> Client::Impl::LandingFor(
+    Client* client, const v1::BeginReadResponse& response) {
+  Landing landing;
+  uint64_t total = 0;
+  for (const v1::BlockData& b : response.blocks()) {
+    landing.offsets.push_back(total);
+    total += CacheLineRound(b.length());
+  }
+  absl::StatusOr<std::unique_ptr<DataBuffer>> buffer =
+      client->AllocateBuffer(std::max<uint64_t>(total, 64));
+  if (!buffer.ok()) return buffer.status();
+  landing.buffer = *std::move(buffer);
+  landing.region = buffers.Holding(landing.buffer->data(),
+                                   landing.buffer->size(), &landing.buffer_id);
+  if (landing.region == nullptr) {
+    return absl::UnavailableError("no registered memory for the read");
+  }
+  return landing;
+}
+
 absl::Status Client::Impl::ReadIntoResult(Client* client,
                                           const v1::BeginReadResponse& response,
                                           const CallScope& scope,
                                           GetResult& result) {
-  std::vector<uint64_t> offsets;
-  uint64_t total = 0;
-  for (const v1::BlockData& b : response.blocks()) {
-    offsets.push_back(total);
-    total += CacheLineRound(b.length());
-  }
   absl::StatusOr<ucx::ClientPlane*> ucx_plane = Plane();
   if (!ucx_plane.ok()) return ucx_plane.status();
-  // A DataBuffer from the client's pool: the node keeps its key, and it
-  // goes back to the pool when this read is over.
-  absl::StatusOr<std::unique_ptr<DataBuffer>> landing =
-      client->AllocateBuffer(std::max<uint64_t>(total, 64));
+  absl::StatusOr<Landing> landing = LandingFor(client, response);
   if (!landing.ok()) return landing.status();
-  const uint8_t* base = (*landing)->data();
-  uint64_t buffer_id = 0;
-  std::shared_ptr<ucx::MemoryRegion> region =
-      buffers.Holding(base, (*landing)->size(), &buffer_id);
-  if (region == nullptr) {
-    return absl::UnavailableError("no registered memory for the read");
-  }
+  const uint8_t* base = landing->buffer->data();
+  const std::vector<uint64_t>& offsets = landing->offsets;
   absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
-      StartRead(*ucx_plane, response, std::move(region), offsets,
-                /*per_layer=*/false, buffer_id);
+      StartRead(*ucx_plane, response, std::move(landing->region), offsets,
+                /*per_layer=*/false, landing->buffer_id);
   if (!transfer.ok()) return transfer.status();
   // Not cut short by a cancel: an abandoned transfer would close the
   // connection (and, without peer failure handling, could not stop the
@@ -626,20 +658,30 @@ absl::Status Client::Impl::ReadIntoResult(Client* client,
 
 absl::StatusOr<GetResult> Client::Impl::GetOnce(
     Client* client, const std::string& ns, const std::vector<std::string>& keys,
-    const ReadOptions& read, const CallScope& scope) {
+    const ReadOptions& asked, const CallScope& scope) {
+  const ReadOptions read = OnTheWire(asked);
   const bool want = AskForDataPlane();
   absl::StatusOr<Begun> begun =
       BeginRead(ns, keys, read, read.pin_lease, /*inline_data=*/!want, scope);
   if (!begun.ok()) return begun.status();
   v1::BeginReadResponse& response = begun->response;
+  // Raw blocks of a read asked for in fp16 are decoded here (read_decode.h).
+  auto as_asked = [&](GetResult result) -> absl::StatusOr<GetResult> {
+    if (read.format != asked.format) {
+      if (absl::Status s = internal::DecodeResultToFp16(result); !s.ok()) {
+        return s;
+      }
+    }
+    return result;
+  };
   if (!OverDataPlane(response)) {
     if (absl::Status s = CheckInline(want, response); !s.ok()) return s;
-    return WithInlineBytes(response, std::move(begun->metadata));
+    return as_asked(WithInlineBytes(response, std::move(begun->metadata)));
   }
   // Over the data plane: into a region UCX allocates (shared memory where a
   // transport offers it), then copied out into the result's strings.
   absl::Status st = ReadIntoResult(client, response, scope, begun->metadata);
-  if (st.ok()) return std::move(begun->metadata);
+  if (st.ok()) return as_asked(std::move(begun->metadata));
   // kAuto: when the data plane cannot be reached, read inline instead (a
   // pin lease, if any, was taken over by the first attempt).
   AbandonRead(response.read_id());
@@ -649,7 +691,8 @@ absl::StatusOr<GetResult> Client::Impl::GetOnce(
     absl::StatusOr<Begun> again =
         BeginRead(ns, keys, read, 0, /*inline_data=*/true, scope);
     if (!again.ok()) return again.status();
-    return WithInlineBytes(again->response, std::move(again->metadata));
+    return as_asked(
+        WithInlineBytes(again->response, std::move(again->metadata)));
   }
   return st;
 }
@@ -686,33 +729,72 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
 
 namespace {
 
+// Where each layer of an fp16 block of `shape` ends.
+std::vector<uint64_t> Fp16LayerEnds(const BlockShape& shape) {
+  const uint64_t bytes = kernels::Fp16BlockBytes(shape);
+  std::vector<uint64_t> ends;
+  for (uint32_t l = 1; l <= shape.num_layers; ++l) {
+    ends.push_back(bytes / shape.num_layers * l);
+  }
+  return ends;
+}
+
+// One raw block of an answer asked for in fp16, as fp16 into `slot`.
+absl::Status DecodeInto(const GetResult& metadata, const BlockData& block,
+                        absl::string_view raw, absl::Span<uint8_t> slot) {
+  absl::StatusOr<CodecPolicy> policy =
+      internal::StoredPolicy(metadata.policy, block.codec);
+  if (!policy.ok()) return policy.status();
+  return internal::DecodeRawLayers(
+      metadata.shape, *policy,
+      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(raw.data()),
+                          raw.size()),
+      0, metadata.shape.num_layers, slot);
+}
+
 // The pending read of an answer: metadata and placements (block i of the
 // keys at dest[i * stride]); inline bytes are copied into `dest` here.
+// `decode`: the answer is raw for a read asked for in fp16
+// (ClientOptions::decode_on_client): placements and formats are fp16 ones,
+// and inline blocks are decoded into `dest` here.
 absl::StatusOr<std::unique_ptr<PendingRead::Impl>> MakePending(
     const v1::BeginReadResponse& response, GetResult metadata, bool over_plane,
-    absl::Span<uint8_t> dest, size_t stride, const CallScope& scope,
-    std::shared_ptr<CancelToken> cancel) {
+    bool decode, absl::Span<uint8_t> dest, size_t stride,
+    const CallScope& scope, std::shared_ptr<CancelToken> cancel) {
   auto impl = std::make_unique<PendingRead::Impl>();
   impl->deadline = scope.deadline;
   impl->cancel = std::move(cancel);
   impl->plane_layers = PlaneLayers(response);
+  const uint64_t fp16_bytes = kernels::Fp16BlockBytes(metadata.shape);
   for (int j = 0; j < response.blocks_size(); ++j) {
     const v1::BlockData& b = response.blocks(j);
+    BlockData& block = metadata.blocks[j];
     BlockPlacement placement;
-    placement.offset = static_cast<uint64_t>(metadata.blocks[j].index) * stride;
-    placement.length = b.length();
-    placement.layer_ends.assign(b.layer_end_offsets().begin(),
-                                b.layer_end_offsets().end());
-    if (placement.layer_ends.empty()) {
-      placement.layer_ends.push_back(b.length());
+    placement.offset = static_cast<uint64_t>(block.index) * stride;
+    placement.length = decode ? fp16_bytes : b.length();
+    if (decode) {
+      placement.layer_ends = Fp16LayerEnds(metadata.shape);
+      block.format = ReadFormat::kFp16;
+    } else {
+      placement.layer_ends.assign(b.layer_end_offsets().begin(),
+                                  b.layer_end_offsets().end());
     }
-    const uint64_t bytes = over_plane ? b.length() : b.data().size();
+    if (placement.layer_ends.empty()) {
+      placement.layer_ends.push_back(placement.length);
+    }
+    const uint64_t bytes = decode       ? fp16_bytes
+                           : over_plane ? b.length()
+                                        : b.data().size();
     if (bytes > stride) {
       return absl::InvalidArgumentError(
-          absl::StrCat("block ", metadata.blocks[j].index, " has ", bytes,
+          absl::StrCat("block ", block.index, " has ", bytes,
                        " bytes, more than the stride of ", stride));
     }
-    if (!over_plane) {
+    if (!over_plane && decode) {
+      absl::Status st = DecodeInto(metadata, block, b.data(),
+                                   dest.subspan(placement.offset, fp16_bytes));
+      if (!st.ok()) return st;
+    } else if (!over_plane) {
       std::memcpy(dest.data() + placement.offset, b.data().data(),
                   b.data().size());
     }
@@ -720,6 +802,17 @@ absl::StatusOr<std::unique_ptr<PendingRead::Impl>> MakePending(
   }
   impl->metadata = std::move(metadata);
   return impl;
+}
+
+// Whether a data-plane read of `response` must land somewhere else than
+// the caller's memory: its blocks travel raw for an fp16 read, and one of
+// them is encoded.
+bool LandsRaw(const v1::BeginReadResponse& response, bool decode) {
+  if (!decode) return false;
+  for (const v1::BlockData& b : response.blocks()) {
+    if (b.codec() != v1::CODEC_NONE) return true;
+  }
+  return false;
 }
 
 }  // namespace
@@ -755,9 +848,46 @@ absl::Status Client::Impl::StartReadInto(const v1::BeginReadResponse& response,
   return absl::OkStatus();
 }
 
+absl::Status Client::Impl::StartDecodedReadInto(
+    Client* client, const v1::BeginReadResponse& response,
+    absl::Span<uint8_t> dest, const CallScope& scope,
+    PendingRead::Impl& pending) {
+  if (scope.cancelled()) return CallerCancelled();
+  absl::StatusOr<ucx::ClientPlane*> ucx_plane = Plane();
+  if (!ucx_plane.ok()) return ucx_plane.status();
+  absl::StatusOr<Landing> landing = LandingFor(client, response);
+  if (!landing.ok()) return landing.status();
+  const GetResult& metadata = pending.metadata;
+  const uint64_t fp16_bytes = kernels::Fp16BlockBytes(metadata.shape);
+  std::vector<internal::LayerDecoder::Block> blocks;
+  for (int j = 0; j < response.blocks_size(); ++j) {
+    absl::StatusOr<CodecPolicy> policy =
+        internal::StoredPolicy(metadata.policy, metadata.blocks[j].codec);
+    if (!policy.ok()) return policy.status();
+    const uint64_t raw_bytes = response.blocks(j).length();
+    if (policy->codec == Codec::kNone && raw_bytes != fp16_bytes) {
+      return absl::DataLossError(
+          absl::StrCat("an fp16 block of ", raw_bytes, " bytes"));
+    }
+    blocks.push_back(
+        {absl::MakeConstSpan(landing->buffer->data() + landing->offsets[j],
+                             raw_bytes),
+         *policy, dest.subspan(pending.placements[j].offset, fp16_bytes)});
+  }
+  pending.decoder = std::make_unique<internal::LayerDecoder>(metadata.shape,
+                                                             std::move(blocks));
+  absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
+      StartRead(*ucx_plane, response, std::move(landing->region),
+                landing->offsets, /*per_layer=*/true, landing->buffer_id);
+  if (!transfer.ok()) return transfer.status();
+  pending.landing = std::move(landing->buffer);
+  pending.read = *std::move(transfer);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
     const std::string& ns, const std::vector<std::string>& keys,
-    const ReadOptions& read, absl::Span<uint8_t> dest, size_t stride,
+    const ReadOptions& asked, absl::Span<uint8_t> dest, size_t stride,
     const CallOptions& call) {
   if (keys.empty()) return absl::InvalidArgumentError("no keys to read");
   if (stride == 0 || dest.size() / stride < keys.size()) {
@@ -766,11 +896,13 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
                      keys.size(), " blocks of stride ", stride));
   }
   const CallScope scope = impl_->Scope(call);
+  const ReadOptions read = impl_->OnTheWire(asked);
+  const bool decode = read.format != asked.format;
   auto inline_read =
       [&](Impl::Begun& begun) -> absl::StatusOr<std::unique_ptr<PendingRead>> {
-    absl::StatusOr<std::unique_ptr<PendingRead::Impl>> impl =
-        MakePending(begun.response, std::move(begun.metadata),
-                    /*over_plane=*/false, dest, stride, scope, call.cancel);
+    absl::StatusOr<std::unique_ptr<PendingRead::Impl>> impl = MakePending(
+        begun.response, std::move(begun.metadata),
+        /*over_plane=*/false, decode, dest, stride, scope, call.cancel);
     if (!impl.ok()) return impl.status();
     return std::make_unique<PendingRead>(*std::move(impl));
   };
@@ -787,13 +919,16 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
   const v1::BeginReadResponse& response = begun->response;
   absl::StatusOr<std::unique_ptr<PendingRead::Impl>> impl =
       MakePending(response, std::move(begun->metadata), /*over_plane=*/true,
-                  dest, stride, scope, call.cancel);
+                  decode, dest, stride, scope, call.cancel);
   if (!impl.ok()) {
     impl_->AbandonRead(response.read_id());
     return impl.status();
   }
   absl::Status st =
-      impl_->StartReadInto(response, dest, keys.size() * stride, scope, **impl);
+      LandsRaw(response, decode)
+          ? impl_->StartDecodedReadInto(this, response, dest, scope, **impl)
+          : impl_->StartReadInto(response, dest, keys.size() * stride, scope,
+                                 **impl);
   if (st.ok()) return std::make_unique<PendingRead>(*std::move(impl));
   impl_->AbandonRead(response.read_id());
   // kAuto: when the data plane cannot be reached, read inline instead (a

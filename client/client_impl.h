@@ -118,6 +118,10 @@ struct Client::Impl {
     v1::BeginReadResponse response;
     GetResult metadata;
   };
+  // What to ask the node for a read the caller asked as `read`: the raw
+  // encoding for an fp16 read when the client decodes
+  // (ClientOptions::decode_on_client), else the same.
+  ReadOptions OnTheWire(const ReadOptions& read) const;
   absl::StatusOr<Begun> BeginRead(const std::string& ns,
                                   const std::vector<std::string>& keys,
                                   const ReadOptions& read, uint64_t pin_lease,
@@ -137,6 +141,17 @@ struct Client::Impl {
                                     const std::vector<std::string>& keys,
                                     const ReadOptions& read,
                                     const internal::CallScope& scope);
+  // A pooled DataBuffer of `client` (the node keeps its key, and it goes
+  // back to the pool when the read is over) that holds the blocks of
+  // `response`, block i at offsets[i], each on a cache line.
+  struct Landing {
+    std::unique_ptr<DataBuffer> buffer;
+    std::shared_ptr<ucx::MemoryRegion> region;
+    uint64_t buffer_id = 0;
+    std::vector<uint64_t> offsets;
+  };
+  absl::StatusOr<Landing> LandingFor(Client* client,
+                                     const v1::BeginReadResponse& response);
   // The data-plane transfer of a Get's blocks (`response`) into a pooled
   // DataBuffer, then into result.blocks[i].bytes.
   absl::Status ReadIntoResult(Client* client,
@@ -150,6 +165,14 @@ struct Client::Impl {
                              absl::Span<uint8_t> dest, size_t bytes,
                              const internal::CallScope& scope,
                              PendingRead::Impl& pending);
+  // The same for a read that travels raw for the caller's fp16 (LandsRaw):
+  // into a Landing, which pending keeps, and a LayerDecoder from there into
+  // `dest` at pending.placements.
+  absl::Status StartDecodedReadInto(Client* client,
+                                    const v1::BeginReadResponse& response,
+                                    absl::Span<uint8_t> dest,
+                                    const internal::CallScope& scope,
+                                    PendingRead::Impl& pending);
 
   // ---- Writes (write_path.cc: the routes and their fallbacks)
 

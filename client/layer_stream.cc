@@ -24,6 +24,7 @@
 #include "client/executor.h"
 #include "client/fan_out.h"
 #include "client/node_set.h"
+#include "client/read_decode.h"
 #include "kernels/codec.h"
 #include "kvcache/cluster_client.h"
 
@@ -159,15 +160,6 @@ absl::Status DecodeRawLayer(const BlockShape& shape, const StreamBlock& block,
       out);
 }
 
-// The effective policy of one stored block (KIVI's residual window keeps
-// some blocks fp16: their codec is none).
-absl::StatusOr<CodecPolicy> BlockPolicy(const CodecPolicy& ns_policy,
-                                        Codec block_codec) {
-  if (block_codec == ns_policy.codec) return ns_policy;
-  if (block_codec == Codec::kNone) return CodecPolicy{};
-  return absl::DataLossError("block codec differs from its namespace's");
-}
-
 void Deliver(const std::shared_ptr<StreamState>& s);
 
 // Starts a delivery task when the next layer is ready everywhere (or a
@@ -296,7 +288,7 @@ absl::Status PlaceBlock(StreamState& s, uint32_t b, StreamChunk& chunk,
     return absl::OkStatus();
   }
   absl::StatusOr<CodecPolicy> policy =
-      BlockPolicy(chunk.metadata.policy, meta.codec);
+      internal::StoredPolicy(chunk.metadata.policy, meta.codec);
   if (!policy.ok()) return policy.status();
   block.policy = *std::move(policy);
   block.offsets = kernels::EncodedLayerOffsets(s.shape, block.policy);

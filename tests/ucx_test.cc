@@ -31,6 +31,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/read_decode.h"
 #include "client/ucx/client_plane.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -116,12 +117,14 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     return absl::StrCat("127.0.0.1:", node_->port());
   }
 
-  std::unique_ptr<Client> NewClient(DataPlane plane) {
+  std::unique_ptr<Client> NewClient(DataPlane plane,
+                                    bool decode_on_client = true) {
     ClientOptions copts;
     copts.target = Target();
     copts.timeout = absl::Seconds(20);
     copts.max_message_bytes = 64 << 20;
     copts.data_plane = plane;
+    copts.decode_on_client = decode_on_client;
     auto client = Client::Connect(copts);
     EXPECT_TRUE(client.ok());
     return client.ok() ? *std::move(client) : nullptr;
@@ -359,6 +362,119 @@ TEST_P(UcxTest, GetIntoDeliversLayerByLayerIntoCallerMemory) {
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
+// The bytes the node has sent over UCX so far (its transfer counter, which
+// a read adds to as it ends on the node: read once no read is open and the
+// counter has stopped moving).
+uint64_t UcxBytesOut(service::Node& node) {
+  const std::string series =
+      "kvcache_transfer_bytes_total{direction=\"out\",transport=\"ucx\"} ";
+  auto read = [&]() -> uint64_t {
+    const std::string metrics = node.metrics()->Render();
+    size_t at = metrics.find(series);
+    if (at == std::string::npos) return uint64_t{0};
+    return std::strtoull(metrics.c_str() + at + series.size(), nullptr, 10);
+  };
+  const absl::Time give_up = absl::Now() + absl::Seconds(5);
+  uint64_t last = read();
+  while (absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(30));
+    const uint64_t now = read();
+    if (now == last && node.data_plane()->Stats().read_sessions == 0) break;
+    last = now;
+  }
+  return last;
+}
+
+// ClientOptions::decode_on_client: an fp16 read of encoded blocks travels
+// raw and is decoded by the client into the same bytes the node's decoder
+// gives (Get and GetInto, over UCX and inline; fp16 and bf16 sources; a
+// KIVI read that mixes encoded blocks with residual-window fp16 ones), layer
+// by layer for GetInto, at the raw encoding's bytes on the wire.
+TEST_P(UcxTest, Fp16ReadsDecodedOnTheClientEqualTheNodesAndMoveRawBytes) {
+  std::unique_ptr<Client> node_decodes = NewClient(DataPlane::kUcx, false);
+  const kernels::BlockShape fp16 = LargeShape();
+  kernels::BlockShape bf16 = fp16;
+  bf16.source_dtype = kernels::SourceDtype::kBf16;
+  for (const kernels::BlockShape& shape : {fp16, bf16}) {
+    for (Codec codec : kernels::kAllCodecs) {
+      const bool bf = shape.source_dtype == kernels::SourceDtype::kBf16;
+      const std::string ns =
+          absl::StrCat("decode-", kernels::CodecName(codec), bf ? "-bf16" : "");
+      NamespaceSpec spec = Spec(ns, codec, shape);
+      spec.residual_tokens = 64;  // KIVI: the last 2 blocks of a chain fp16
+      ASSERT_TRUE(client_->RegisterNamespace(spec).ok());
+      std::vector<BlockWrite> writes;
+      for (int i = 0; i < 6; ++i) {
+        data_[i] = RandomBlock(shape, 100 + i);
+        writes.push_back({Key(i), i == 0 ? "" : Key(i - 1), data_[i]});
+      }
+      ASSERT_TRUE(client_->Put(ns, writes).ok());
+      // KIVI re-encodes blocks that leave the window in the background:
+      // every read below must see the same blocks.
+      const absl::Time give_up = absl::Now() + absl::Seconds(10);
+      while (node_->store()->Stats().pending_reencodes > 0 &&
+             absl::Now() < give_up) {
+        absl::SleepFor(absl::Milliseconds(10));
+      }
+      auto want = node_decodes->Get(ns, Keys(0, 6), ReadFormat::kFp16);
+      ASSERT_TRUE(want.ok()) << want.status();
+      const uint64_t sent_before = UcxBytesOut(*node_);
+      auto got = client_->Get(ns, Keys(0, 6), ReadFormat::kFp16);
+      const uint64_t sent = UcxBytesOut(*node_) - sent_before;
+      auto got_inline = grpc_client_->Get(ns, Keys(0, 6), ReadFormat::kFp16);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_TRUE(got_inline.ok()) << got_inline.status();
+      uint64_t raw_bytes = 0;
+      for (int b = 0; b < 6; ++b) {
+        EXPECT_EQ(got->blocks[b].format, ReadFormat::kFp16);
+        EXPECT_EQ(got->blocks[b].bytes, want->blocks[b].bytes)
+            << ns << " block " << b;
+        EXPECT_EQ(got_inline->blocks[b].bytes, want->blocks[b].bytes)
+            << ns << " block " << b << " (inline)";
+        raw_bytes += kernels::EncodedBlockBytes(
+            shape, internal::StoredPolicy(want->policy, want->blocks[b].codec)
+                       .value_or(CodecPolicy{}));
+      }
+      EXPECT_EQ(sent, raw_bytes) << ns;
+      if (codec != Codec::kNone) {
+        EXPECT_LT(sent, 6 * kernels::Fp16BlockBytes(shape)) << ns;
+      }
+      // GetInto, with slots wider than a block: layer 0 of every block is
+      // decoded in place once WaitLayer(0) returns, the rest by Wait.
+      const size_t block_bytes = kernels::Fp16BlockBytes(shape);
+      const size_t layer_bytes = block_bytes / shape.num_layers;
+      const size_t stride = block_bytes + 128;
+      std::vector<uint8_t> buffer(6 * stride, 0xEE);
+      auto read = client_->GetInto(ns, Keys(0, 6), ReadFormat::kFp16,
+                                   absl::MakeSpan(buffer), stride);
+      ASSERT_TRUE(read.ok()) << read.status();
+      ASSERT_TRUE((*read)->WaitLayer(0).ok());
+      const auto& placements = (*read)->placements();
+      ASSERT_EQ(placements.size(), 6u);
+      for (int b = 0; b < 6; ++b) {
+        EXPECT_EQ((*read)->metadata().blocks[b].format, ReadFormat::kFp16);
+        EXPECT_EQ(placements[b].length, block_bytes);
+        ASSERT_EQ(placements[b].layer_ends.size(), shape.num_layers);
+        EXPECT_EQ(placements[b].layer_ends[0], layer_bytes);
+        EXPECT_EQ(std::memcmp(buffer.data() + placements[b].offset,
+                              want->blocks[b].bytes.data(), layer_bytes),
+                  0)
+            << ns << " block " << b << " layer 0";
+      }
+      ASSERT_TRUE((*read)->Wait().ok());
+      for (int b = 0; b < 6; ++b) {
+        EXPECT_EQ(std::memcmp(buffer.data() + placements[b].offset,
+                              want->blocks[b].bytes.data(), block_bytes),
+                  0)
+            << ns << " block " << b;
+        EXPECT_EQ(buffer[placements[b].offset + block_bytes], 0xEE)
+            << "past block " << b;
+      }
+    }
+  }
   ExpectNothingHeld(absl::Seconds(5));
 }
 

@@ -54,7 +54,8 @@ void InitClient(PyClient* self, const std::string& target, double timeout_s,
                 const std::string& data_plane, OptStr bearer_token,
                 OptStr bearer_token_file, OptStr tls_ca_file,
                 OptStr tls_cert_file, OptStr tls_key_file,
-                OptStr tls_server_name, int max_message_bytes) {
+                OptStr tls_server_name, int max_message_bytes,
+                bool decode_on_client) {
   ClientOptions options;
   options.target = target;
   if (!(timeout_s > 0))
@@ -66,6 +67,7 @@ void InitClient(PyClient* self, const std::string& target, double timeout_s,
   options.tls = c.tls;
   options.bearer_token = c.bearer_token;
   options.max_message_bytes = max_message_bytes;
+  options.decode_on_client = decode_on_client;
   absl::StatusOr<std::unique_ptr<Client>> client;
   {
     nb::gil_scoped_release release;
@@ -315,7 +317,8 @@ void BindClient(nb::module_& m) {
         nb::arg("tls_cert_file") = nb::none(),
         nb::arg("tls_key_file") = nb::none(),
         nb::arg("tls_server_name") = nb::none(),
-        nb::arg("max_message_bytes") = 256 << 20);
+        nb::arg("max_message_bytes") = 256 << 20,
+        nb::arg("decode_on_client") = true);
   BindClientMethods(c);
 }
 

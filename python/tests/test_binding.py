@@ -153,6 +153,30 @@ def test_fp8_raw_blocks_decode_here_as_the_node_decodes(client):
     assert np.isfinite(node_side).all()
 
 
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "kivi2"])
+def test_fp16_reads_decode_here_by_default_as_the_node_would(node, codec):
+    n, plane = node
+    here = kvcache.Client(n.address, data_plane=plane)
+    there = kvcache.Client(n.address, data_plane=plane, decode_on_client=False)
+    ns = f"decode-{codec}"
+    here.register_namespace(spec(ns, codec=codec, residual_tokens=0))
+    keys = kvcache.block_hash_chain(list(range(4 * T)), T, seed=11)
+    here.put(ns, keys, blocks(4, seed=11))
+    node_side = there.get(ns, keys).array()
+    np.testing.assert_array_equal(here.get(ns, keys).array(), node_side)
+    dest = np.full_like(node_side, np.nan)
+    read = here.get_into(ns, keys, dest)
+    layer = node_side.shape[1] // LAYERS
+    for l in range(LAYERS):
+        read.wait_layer(l)
+        np.testing.assert_array_equal(
+            dest[:, l * layer : (l + 1) * layer],
+            node_side[:, l * layer : (l + 1) * layer],
+        )
+    del read
+    np.testing.assert_array_equal(dest, node_side)
+
+
 def test_get_into_a_data_buffer_layer_by_layer(client):
     client.register_namespace(spec("into"))
     keys = kvcache.block_hash_chain(list(range(5 * T)), T, seed=4)

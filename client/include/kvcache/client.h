@@ -90,6 +90,15 @@ struct ClientOptions {
   // regions Get lands blocks in), so that later buffers and reads need no
   // fresh mapping and nodes keep their keys; 0 frees at once.
   size_t max_idle_buffer_bytes = size_t{256} << 20;
+  // fp16 reads (Get, GetInto) ask the node for the stored encoding and
+  // decode it on this client's CPU: fp8 blocks travel at half the bytes and
+  // KIVI at a third to a fifth, the node decodes nothing, and the caller
+  // gets the same bytes as from the node's decoder, bit for bit (one codec
+  // implementation). GetInto lands the encoding in a pooled DataBuffer of
+  // this client and decodes layer l into the caller's memory when layer l
+  // is waited for (PendingRead::WaitLayer, Wait), on the waiting thread.
+  // false: the node decodes and fp16 travels.
+  bool decode_on_client = true;
 };
 
 // The bearer token in file `path` (its first line, surrounding whitespace
