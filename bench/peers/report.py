@@ -92,8 +92,9 @@ def print_tables(rows: list[dict], out=print) -> None:
             out(_line(r, "") + f"{r['held_per_gib']:>7.3f}{r['rss_per_gib']:>7.3f}  "
                 + _fmt_ratio(r))
     out("")
-    out("GET: the same per read format (fp16: decoded by the server; raw: the"
-        " stored encoding; MiB/s counts fp16 bytes)")
+    out("GET: the same per read format (fp16: as the caller's fp16, decoded by"
+        " our client unless NODE_DECODE=1; raw: the stored encoding; MiB/s"
+        " counts fp16 bytes)")
     out(_header("fmt") + "  ratio")
     for r in rows:
         if r["phase"] != "put":

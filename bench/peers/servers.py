@@ -155,6 +155,7 @@ def start_ours(node_bin: str, path: str, codec: str, workdir: str,
     else:
         cmd += ["--data-plane=ucx", "--ucx-tcp-trusted-network=true",
                 "--ucx-listen=127.0.0.1:0"]
+    cmd += os.environ.get("NODE_FLAGS", "").split()
     proc = _spawn(cmd, log, env={**os.environ, **ucx_env(path)})
     try:
         port = []
