@@ -4,6 +4,9 @@
 # what it measures, each system's exact path, and the knobs:
 #   bench/peers/run.sh                  everything, 3 interleaved rounds
 #   QUICK=1 bench/peers/run.sh          a smoke run (64 blocks, 1 round)
+#   bench/peers/run.sh first-layer      ours only: time to the first layer
+#                                       of a 4,096-token prefix
+#                                       (first_layer.py)
 #   SYSTEMS, PATHS, CODECS, FORMATS, CLIENTS, ROUNDS, BLOCKS, BATCH, OUT,
 #   NODE_BIN, PHASE_TIMEOUT, START_TIMEOUT, MOONCAKE_THREADS, KEEP_WORK
 # Installs what is missing first, once per machine: Debian's redis-server,
@@ -96,8 +99,9 @@ ensure_kvcache() {
 # Runs the orchestrator; a signal to this script reaches it as SIGTERM, on
 # which it stops its servers and clients before it exits.
 run_bench() {
-  local pid rc=0
-  NODE_BIN=$node_bin "$venv/bin/python" "$here/bench.py" &
+  local pid rc=0 script=bench.py
+  [[ ${1:-} == first-layer ]] && script=first_layer.py
+  NODE_BIN=$node_bin "$venv/bin/python" "$here/$script" &
   pid=$!
   trap 'kill -TERM "$pid" 2>/dev/null || true' INT TERM HUP
   wait "$pid" || rc=$?
@@ -113,4 +117,4 @@ require_node
 ensure_redis
 ensure_requirements
 ensure_kvcache
-run_bench
+run_bench "$@"
