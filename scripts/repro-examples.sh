@@ -38,8 +38,11 @@ export UCX_NET_DEVICES=lo
 runs=0 failed=0 nonfinite=0 wrong=0
 for transport in $transports; do
   case $transport in
-    tcp) export UCX_TLS=tcp ;;
-    shm) export UCX_TLS=posix,sysv,self,tcp ;;
+    # shm: the node's default data plane (no TCP, no listener). With tcp in
+    # the clients' list their endpoints get tcp lanes, and reads travel as
+    # tcp data messages (docs/benchmarks.md, "Peers").
+    tcp) export UCX_TLS=tcp; node_plane=(--ucx-tcp-trusted-network=true --ucx-listen=127.0.0.1:0) ;;
+    shm) export UCX_TLS=posix,sysv,self; node_plane=() ;;
     *) echo "repro: unknown transport $transport" >&2; exit 2 ;;
   esac
   for codec in $codecs; do
@@ -48,7 +51,7 @@ for transport in $transports; do
       dtype=${dtype_list[$(( (round - 1) % ${#dtype_list[@]} ))]}
       log=$work/node.log
       "$node_bin" --listen=127.0.0.1:0 --metrics-listen= \
-        --memory=host:1GiB --data-plane=ucx --ucx-tcp-trusted-network=true --ucx-listen=127.0.0.1:0 \
+        --memory=host:1GiB --data-plane=ucx "${node_plane[@]}" \
         2>"$log" &
       node_pid=$!
       port=

@@ -66,7 +66,7 @@ class HostArena final : public Arena {
   // store write racing the populate of a page meets the same fault path:
   // either way no byte changes.
   void Prefault() {
-    constexpr uint64_t kStep = 64ull << 20;
+    constexpr uint64_t kStep = 4ull << 20;
     for (uint64_t at = 0; at < size_; at += kStep) {
       if (stop_prefault_.load(std::memory_order_relaxed)) return;
       const size_t n = static_cast<size_t>(std::min(kStep, size_ - at));

@@ -1491,11 +1491,11 @@ TEST(ArenaTest, PrefaultMakesAHostArenaResidentAndChangesNoByte) {
   ASSERT_NE(base, nullptr);
   const uint64_t pages = kBytes / static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   ASSERT_LT(ResidentPages(base, kBytes), pages / 2) << "resident already";
-  // Bytes written before, and while the prefault runs, in every 64 MiB
+  // Bytes written before, and while the prefault runs, in every 4 MiB
   // step it takes.
   auto pattern = [](uint64_t at) { return static_cast<uint8_t>(at * 7 + 1); };
   std::vector<uint64_t> spots;
-  for (uint64_t at = 4096 + 3; at < kBytes; at += (5ull << 20) + 4097) {
+  for (uint64_t at = 4096 + 3; at < kBytes; at += (3ull << 20) + 4097) {
     spots.push_back(at);
   }
   for (size_t i = 0; i < spots.size() / 2; ++i) {
