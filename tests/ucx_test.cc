@@ -478,6 +478,50 @@ TEST_P(UcxTest, Fp16ReadsDecodedOnTheClientEqualTheNodesAndMoveRawBytes) {
   ExpectNothingHeld(absl::Seconds(5));
 }
 
+// Where the node maps a client's long-lived buffer (shared memory), it
+// faults the whole mapping in when it first keeps the buffer's key, on the
+// worker pool, and the reads into it stay exact; over tcp it maps nothing.
+TEST_P(UcxTest, ALongLivedBufferIsFaultedInWhereTheNodeMapsIt) {
+  const kernels::BlockShape shape = LargeShape();
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("mapped", Codec::kNone, shape)).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "mapped", shape, 0, 4).ok());
+  const size_t stride = kernels::Fp16BlockBytes(shape);
+  constexpr size_t kBufferBytes = 16 << 20;
+  auto buffer = client_->AllocateBuffer(kBufferBytes);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  ASSERT_TRUE((*buffer)->registered());
+  for (int round = 0; round < 2; ++round) {
+    std::memset((*buffer)->data(), 0xEE, 4 * stride);
+    auto read = client_->GetInto(
+        "mapped", Keys(0, 4), ReadFormat::kFp16,
+        absl::MakeSpan((*buffer)->data(), kBufferBytes), stride);
+    ASSERT_TRUE(read.ok()) << read.status();
+    ASSERT_TRUE((*read)->Wait().ok());
+    for (int b = 0; b < 4; ++b) {
+      EXPECT_EQ(std::memcmp((*buffer)->data() + b * stride, data_[b].data(),
+                            stride),
+                0)
+          << "round " << round << " block " << b;
+    }
+  }
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  uint64_t prefaulted = 0;
+  while ((prefaulted = node_->data_plane()->Stats().prefaulted_buffer_bytes) <
+             kBufferBytes &&
+         !GetParam().tcp() && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  if (GetParam().tcp()) {
+    EXPECT_EQ(prefaulted, 0u);
+  } else {
+    // Once: the second read reuses the key.
+    EXPECT_GE(prefaulted, kBufferBytes);
+    EXPECT_LT(prefaulted, 2 * kBufferBytes);
+  }
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
 TEST_P(UcxTest, DataBuffersKeepTheirKeyUntilTheClientLetsThemGo) {
   const kernels::BlockShape shape = LargeShape();
   ASSERT_TRUE(

@@ -1,5 +1,9 @@
 #include "service/ucx/data_plane.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -303,6 +307,7 @@ DataPlaneStats DataPlane::Stats() const {
   s.rejected_connections = rejected_connections_.load();
   s.buffer_keys = buffer_key_count_.load();
   s.pulled_blocks = pulled_blocks_.load();
+  s.prefaulted_buffer_bytes = prefaulted_buffer_bytes_.load();
   s.message_reads = message_reads_.load();
   MutexLock lock(&mu_);
   s.write_sessions = static_cast<uint32_t>(writes_.size());
@@ -813,8 +818,9 @@ void DataPlane::HandleWritePull(Connection* conn, absl::string_view header,
     fail(st);
     return;
   }
+  bool kept_new = false;  // a pulled buffer is mapped as its blocks are read
   absl::StatusOr<std::shared_ptr<RemoteKey>> rkey =
-      ClientKey(conn, h->buffer_id, body->remote_key);
+      ClientKey(conn, h->buffer_id, body->remote_key, &kept_new);
   if (!rkey.ok()) {
     fail(rkey.status());
     return;
@@ -895,7 +901,9 @@ absl::Status DataPlane::EnsureClientEndpoint(Connection* conn,
 }
 
 absl::StatusOr<std::shared_ptr<RemoteKey>> DataPlane::ClientKey(
-    Connection* conn, uint64_t buffer_id, absl::string_view packed) {
+    Connection* conn, uint64_t buffer_id, absl::string_view packed,
+    bool* kept_new) {
+  *kept_new = false;
   auto kept = buffer_id == 0 ? conn->buffer_keys.end()
                              : conn->buffer_keys.find(buffer_id);
   if (kept != conn->buffer_keys.end() && kept->second.packed == packed) {
@@ -911,8 +919,39 @@ absl::StatusOr<std::shared_ptr<RemoteKey>> DataPlane::ClientKey(
                          conn->buffer_keys.size() < kMaxBufferKeys)) {
     if (kept == conn->buffer_keys.end()) buffer_key_count_.fetch_add(1);
     conn->buffer_keys[buffer_id] = {std::string(packed), key};
+    *kept_new = true;
   }
   return key;
+}
+
+void DataPlane::PrefaultClientBuffer(std::shared_ptr<RemoteKey> key,
+                                     uint64_t base, uint64_t length) {
+  void* first = nullptr;
+  void* last = nullptr;
+  if (length == 0 || ucp_rkey_ptr(key->get(), base, &first) != UCS_OK ||
+      ucp_rkey_ptr(key->get(), base + length - 1, &last) != UCS_OK ||
+      static_cast<uint8_t*>(last) !=
+          static_cast<uint8_t*>(first) + length - 1) {
+    return;  // not one mapping of this process
+  }
+  executor_([this, key = std::move(key), first, length]() mutable {
+    constexpr uintptr_t kPage = 4096;
+    constexpr uintptr_t kStep = 4u << 20;
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(first) & ~(kPage - 1);
+    const uintptr_t end = reinterpret_cast<uintptr_t>(first) + length;
+    bool done = true;
+    for (uintptr_t at = begin; at < end && done; at += kStep) {
+      const size_t n = static_cast<size_t>(std::min(kStep, end - at));
+      int rc;
+      do {
+        rc = madvise(reinterpret_cast<void*>(at), n, MADV_POPULATE_WRITE);
+      } while (rc != 0 && (errno == EINTR || errno == EAGAIN));
+      done = rc == 0;  // EINVAL: an older kernel; the puts fault as before
+    }
+    if (done) prefaulted_buffer_bytes_.fetch_add(length);
+    // A remote key is destroyed on the loop thread (see StageLocked).
+    loop_->Post([key = std::move(key)] {});
+  });
 }
 
 void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
@@ -998,11 +1037,15 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
     FinishRead(session, st);
     return;
   }
+  bool kept_new = false;
   absl::StatusOr<std::shared_ptr<RemoteKey>> rkey =
-      ClientKey(conn, h->buffer_id, body->remote_key);
+      ClientKey(conn, h->buffer_id, body->remote_key, &kept_new);
   if (!rkey.ok()) {
     FinishRead(session, rkey.status());
     return;
+  }
+  if (kept_new && (h->flags & kReadFlagBounded) != 0) {
+    PrefaultClientBuffer(*rkey, body->region_base, body->region_length);
   }
   session->rkey = *std::move(rkey);
   const bool by_messages = (h->flags & kReadFlagMessages) != 0 && blocks > 0 &&

@@ -38,7 +38,11 @@
 //    releases the buffer (kAmReleaseBuffer) or the connection ends, at most
 //    kMaxBufferKeys per connection. Unpacking a key maps the client's
 //    segment on shared memory, a page fault per page on first touch; doing
-//    that for every read cost 5x the read's throughput. Puts into it still
+//    that for every read cost 5x the read's throughput. When the node first
+//    keeps such a key and the buffer is mapped into the node (shared
+//    memory), the worker pool faults the whole mapping in at once
+//    (PrefaultClientBuffer), so the first reads into it are not charged a
+//    fault per 4 KiB page. Puts into it still
 //    happen only for reads whose token the client presented.
 //
 // Invariants:
@@ -145,6 +149,10 @@ struct DataPlaneStats {
   // Reads whose blocks went as data messages rather than puts (kAmReadData),
   // since the start.
   uint64_t message_reads = 0;
+  // Bytes of clients' long-lived buffers that the node mapped (shared
+  // memory) and faulted in at once when it first got their keys
+  // (PrefaultClientBuffer), since the start.
+  uint64_t prefaulted_buffer_bytes = 0;
 };
 
 // The UCX_TLS value a node without tcp_trusted_network runs with, given
@@ -298,9 +306,19 @@ class DataPlane {
   absl::Status EnsureClientEndpoint(Connection* conn,
                                     absl::string_view worker_address);
   // The unpacked remote key of a client region; a long-lived buffer's
-  // (buffer_id != 0) is kept on the connection and reused.
-  absl::StatusOr<std::shared_ptr<RemoteKey>> ClientKey(
-      Connection* conn, uint64_t buffer_id, absl::string_view packed);
+  // (buffer_id != 0) is kept on the connection and reused. *kept_new:
+  // whether this call unpacked a key that the connection now keeps.
+  absl::StatusOr<std::shared_ptr<RemoteKey>> ClientKey(Connection* conn,
+                                                       uint64_t buffer_id,
+                                                       absl::string_view packed,
+                                                       bool* kept_new);
+  // Where `key` maps the client region [base, base + length) into this
+  // process (shared memory): faults that mapping in on the worker pool
+  // (MADV_POPULATE_WRITE, which changes no byte), so that puts into a
+  // long-lived buffer do not pay a page fault per 4 KiB page of it on
+  // their first pass. Elsewhere (no mapping: tcp, RDMA) nothing.
+  void PrefaultClientBuffer(std::shared_ptr<RemoteKey> key, uint64_t base,
+                            uint64_t length);
   // Whether puts over `conn` into the region of `rkey` are native: false
   // only where the node cannot map the region and every lane of the
   // endpoint is TCP, where UCX emulates puts with active messages.
@@ -377,6 +395,7 @@ class DataPlane {
   std::atomic<uint32_t> buffer_key_count_{0};
   std::atomic<uint64_t> pulled_blocks_{0};
   std::atomic<uint64_t> message_reads_{0};
+  std::atomic<uint64_t> prefaulted_buffer_bytes_{0};
   std::atomic<uint64_t> rejected_connections_{0};
 };
 
