@@ -414,11 +414,10 @@ struct PendingRead::Impl {
   std::shared_ptr<CancelToken> cancel;
   uint32_t plane_layers = 1;
   // A read decoded on the client (ClientOptions::decode_on_client) whose
-  // blocks travel raw: the raw answer (blocks' codecs and lengths), and the
-  // DataBuffer they land in and the decoder that turns them into fp16 in
-  // the caller's memory. Declared before `read`, so that the transfer has
-  // ended before its landing buffer goes back to the pool.
-  v1::BeginReadResponse raw_answer;
+  // blocks travel raw: the DataBuffer they land in and the decoder that
+  // turns them into fp16 in the caller's memory. Declared before `read`,
+  // so that the transfer has ended before its landing buffer goes back to
+  // the pool.
   std::unique_ptr<DataBuffer> landing;
   std::unique_ptr<internal::LayerDecoder> decoder;
   std::unique_ptr<ucx::ClientPlane::Read> read;  // null: inline, all there

@@ -17,17 +17,21 @@ absl::StatusOr<CodecPolicy> StoredPolicy(const CodecPolicy& ns_policy,
   return absl::DataLossError("block codec differs from its namespace's");
 }
 
-absl::Status DecodeRawLayers(const BlockShape& shape, const CodecPolicy& policy,
-                             absl::Span<const uint8_t> raw, uint32_t from,
-                             uint32_t to, absl::Span<uint8_t> fp16) {
+namespace {
+
+// DecodeRawLayers with the encoding's layer offsets (EncodedLayerOffsets)
+// computed by the caller.
+absl::Status DecodeWithOffsets(const BlockShape& shape,
+                               const CodecPolicy& policy,
+                               const std::vector<size_t>& offsets,
+                               absl::Span<const uint8_t> raw, uint32_t from,
+                               uint32_t to, absl::Span<uint8_t> fp16) {
   const size_t fp16_bytes = kernels::Fp16BlockBytes(shape);
   if (fp16.size() != fp16_bytes || shape.num_layers == 0) {
     return absl::InvalidArgumentError(absl::StrCat("a slot of ", fp16.size(),
                                                    " bytes for a block of ",
                                                    fp16_bytes, " bytes"));
   }
-  const std::vector<size_t> offsets =
-      kernels::EncodedLayerOffsets(shape, policy);
   if (offsets.back() != raw.size()) {
     return absl::DataLossError(absl::StrCat("a raw block of ", raw.size(),
                                             " bytes; its encoding has ",
@@ -48,6 +52,16 @@ absl::Status DecodeRawLayers(const BlockShape& shape, const CodecPolicy& policy,
     }
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status DecodeRawLayers(const BlockShape& shape, const CodecPolicy& policy,
+                             absl::Span<const uint8_t> raw, uint32_t from,
+                             uint32_t to, absl::Span<uint8_t> fp16) {
+  return DecodeWithOffsets(shape, policy,
+                           kernels::EncodedLayerOffsets(shape, policy), raw,
+                           from, to, fp16);
 }
 
 absl::Status DecodeResultToFp16(GetResult& result) {
@@ -78,13 +92,18 @@ absl::Status DecodeResultToFp16(GetResult& result) {
 }
 
 LayerDecoder::LayerDecoder(BlockShape shape, std::vector<Block> blocks)
-    : shape_(shape), blocks_(std::move(blocks)) {}
+    : shape_(shape), blocks_(std::move(blocks)) {
+  for (const Block& b : blocks_) {
+    offsets_.push_back(kernels::EncodedLayerOffsets(shape_, b.policy));
+  }
+}
 
 absl::Status LayerDecoder::DecodeThrough(uint32_t layers) {
   MutexLock lock(&mu_);
   layers = std::min(layers, shape_.num_layers);
   if (!error_.ok() || layers <= decoded_) return error_;
-  for (const Block& b : blocks_) {
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const Block& b = blocks_[i];
     if (b.policy.codec == Codec::kNone) {
       // Stored fp16: the layers' bytes are the same raw and decoded.
       const size_t layer_bytes = b.fp16.size() / shape_.num_layers;
@@ -93,7 +112,8 @@ absl::Status LayerDecoder::DecodeThrough(uint32_t layers) {
                   (layers - decoded_) * layer_bytes);
       continue;
     }
-    error_ = DecodeRawLayers(shape_, b.policy, b.raw, decoded_, layers, b.fp16);
+    error_ = DecodeWithOffsets(shape_, b.policy, offsets_[i], b.raw, decoded_,
+                               layers, b.fp16);
     if (!error_.ok()) return error_;
   }
   decoded_ = layers;

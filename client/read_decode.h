@@ -59,6 +59,8 @@ class LayerDecoder {
  private:
   const BlockShape shape_;
   const std::vector<Block> blocks_;
+  // EncodedLayerOffsets of each block, computed once, not at every wait.
+  std::vector<std::vector<size_t>> offsets_;
   Mutex mu_;
   uint32_t decoded_ ABSL_GUARDED_BY(mu_) = 0;  // layers done, every block
   absl::Status error_ ABSL_GUARDED_BY(mu_);

@@ -499,9 +499,9 @@ TEST_P(UcxTest, ALongLivedBufferIsFaultedInWhereTheNodeMapsIt) {
     ASSERT_TRUE(read.ok()) << read.status();
     ASSERT_TRUE((*read)->Wait().ok());
     for (int b = 0; b < 4; ++b) {
-      EXPECT_EQ(std::memcmp((*buffer)->data() + b * stride, data_[b].data(),
-                            stride),
-                0)
+      EXPECT_EQ(
+          std::memcmp((*buffer)->data() + b * stride, data_[b].data(), stride),
+          0)
           << "round " << round << " block " << b;
     }
   }
