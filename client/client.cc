@@ -5,6 +5,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <random>
 #include <sstream>
 #include <utility>
 
@@ -92,6 +93,13 @@ void SendCleanup(absl::Duration timeout, Request request, Start start) {
 
 absl::Status internal::CallerCancelled() {
   return absl::CancelledError("cancelled by the caller");
+}
+
+uint64_t internal::NewDataPlaneClientId() {
+  std::random_device random;
+  uint64_t id = 0;
+  while (id == 0) id = (uint64_t{random()} << 32) ^ random();
+  return id;
 }
 
 absl::Status DecodeRaw(const GetResult& result, const BlockData& block,
@@ -365,6 +373,7 @@ absl::StatusOr<Client::Impl::Begun> Client::Impl::BeginRead(
                                                      : v1::READ_FORMAT_FP16);
   request.set_pin_lease_id(pin_lease);
   request.set_inline_data(inline_data);
+  if (!inline_data) request.set_data_plane_client(data_plane_client);
   request.set_allow_missing(read.allow_missing);
   Begun begun;
   absl::Status st = Rpc(scope, [&](grpc::ClientContext* ctx) {

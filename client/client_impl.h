@@ -48,6 +48,9 @@ inline bool OffersDataPlane(const v1::DataPlaneInfo& info) {
   return !info.worker_address().empty() || !info.ucx_address().empty();
 }
 
+// A random nonzero 64-bit number.
+uint64_t NewDataPlaneClientId();
+
 inline uint64_t CacheLineRound(uint64_t bytes) {
   return (bytes + 63) / 64 * 64;
 }
@@ -210,6 +213,9 @@ struct Client::Impl {
 
   const ClientOptions options;
   const std::string authorization;  // "Bearer TOKEN", or empty
+  // Names this client's UCX worker to nodes (BeginWriteRequest's
+  // data_plane_client): random, nonzero.
+  const uint64_t data_plane_client = internal::NewDataPlaneClientId();
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::KvCache::Stub> stub;
 

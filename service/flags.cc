@@ -149,6 +149,11 @@ absl::Status ApplyFlag(absl::string_view name, absl::string_view value,
     } else {
       return Bad(name, value, "expected auto or puts");
     }
+  } else if (name == "ucx-progress-threads") {
+    uint64_t v = 0;
+    if (absl::Status s = parse_uint(&v); !s.ok()) return s;
+    if (v == 0 || v > 64) return Bad(name, value, "1 to 64");
+    o.ucx.progress_threads = static_cast<int>(v);
   } else if (name == "staging-bytes") {
     absl::StatusOr<uint64_t> bytes = store::ParseByteSize(value);
     if (!bytes.ok()) return bytes.status();
@@ -232,6 +237,10 @@ Usage: kvcache-node [--flag=value ...]
                                 puts on shared memory and RDMA, data
                                 messages where UCX would emulate puts,
                                 as on TCP) or puts (always)
+  --ucx-progress-threads=N      UCX workers of the data plane, each with
+                                its own progress thread; each client
+                                process is served by one (default 1;
+                                at most 64)
   --staging-bytes=BYTES         bound on data-plane staging: write blocks
                                 until commit, read copies until sent
                                 (default 256MiB)

@@ -104,6 +104,14 @@ void DescribeDataPlane(const ucx::DataPlane& plane, const ucx::Token& token,
   info->set_tcp_rx_seg_bytes(plane.tcp_segments().rx_bytes);
 }
 
+// Who will connect to the data plane for a session (DataPlanes::ForClient):
+// the client's own name for its UCX worker, else its gRPC peer.
+std::string DataPlaneClient(const grpc::CallbackServerContext* ctx,
+                            uint64_t data_plane_client) {
+  return data_plane_client != 0 ? absl::StrCat("id:", data_plane_client)
+                                : ctx->peer();
+}
+
 }  // namespace
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
@@ -155,7 +163,7 @@ const char* GrpcCodeName(grpc::StatusCode code) {
 
 KvCacheServiceImpl::KvCacheServiceImpl(store::Store* store, Metrics* metrics,
                                        ThreadPool* workers,
-                                       ucx::DataPlane* data_plane,
+                                       ucx::DataPlanes* data_plane,
                                        const Tenants* tenants)
     : store_(store),
       metrics_(metrics),
@@ -334,10 +342,12 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginWrite(
     if (request->use_data_plane() && data_plane_ != nullptr) {
       // Staging for the blocks that will travel; none: no write at all (the
       // session's claim aborts the store write).
+      ucx::DataPlane& shard = data_plane_->ForClient(
+          DataPlaneClient(ctx, request->data_plane_client()));
       absl::StatusOr<ucx::Token> token =
-          data_plane_->OpenWrite(store::WriteClaim(store_, r->write_id), *r);
+          shard.OpenWrite(store::WriteClaim(store_, r->write_id), *r);
       if (!token.ok()) return token.status();
-      DescribeDataPlane(*data_plane_, *token, response->mutable_data_plane());
+      DescribeDataPlane(shard, *token, response->mutable_data_plane());
       response->mutable_data_plane()->set_pull_writes(true);
     }
     response->set_write_id(r->write_id);
@@ -439,7 +449,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::AbortWrite(
 
 absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
     const v1::BeginReadRequest* request, store::ReadFormat format,
-    uint32_t holder, v1::BeginReadResponse* response) {
+    uint32_t holder, ucx::DataPlane& shard, v1::BeginReadResponse* response) {
   // Staging for the verified copies the store hands over, reserved before
   // they exist: a raw block is at most its fp16 size (KIVI's residual
   // window keeps some blocks fp16).
@@ -483,10 +493,10 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   }
   response->set_read_id(r->lease_id);
   // The session takes the claim; on an error it has ended the lease.
-  absl::StatusOr<ucx::Token> token = data_plane_->OpenRead(
+  absl::StatusOr<ucx::Token> token = shard.OpenRead(
       std::move(claim), *std::move(r), std::move(ends), std::move(held));
   if (!token.ok()) return token.status();
-  DescribeDataPlane(*data_plane_, *token, response->mutable_data_plane());
+  DescribeDataPlane(shard, *token, response->mutable_data_plane());
   response->mutable_data_plane()->set_bounded_reads(true);
   response->mutable_data_plane()->set_message_reads(true);
   return absl::OkStatus();
@@ -503,7 +513,10 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
     if (!format.ok()) return format.status();
     // Without a data plane a node answers inline whatever was asked.
     if (!request->inline_data() && data_plane_ != nullptr) {
-      return BeginDataPlaneRead(request, *format, caller->holder(), response);
+      return BeginDataPlaneRead(request, *format, caller->holder(),
+                                data_plane_->ForClient(DataPlaneClient(
+                                    ctx, request->data_plane_client())),
+                                response);
     }
     store::ReadOptions options = ReadOptionsFromProto(*request, *format);
     options.holder = caller->holder();

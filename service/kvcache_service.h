@@ -18,6 +18,7 @@
 #include "service/tenants.h"
 #include "service/thread_pool.h"
 #include "service/ucx/data_plane.h"
+#include "service/ucx/data_planes.h"
 #include "store/store.h"
 
 namespace kvcache::service {
@@ -33,7 +34,7 @@ class KvCacheServiceImpl final : public kvcache::v1::KvCache::CallbackService {
   // every byte travels inline in gRPC messages). tenants: null runs open.
   // Each must outlive the service.
   KvCacheServiceImpl(store::Store* store, Metrics* metrics, ThreadPool* workers,
-                     ucx::DataPlane* data_plane = nullptr,
+                     ucx::DataPlanes* data_plane = nullptr,
                      const Tenants* tenants = nullptr);
 
   grpc::ServerUnaryReactor* RegisterNamespace(
@@ -108,15 +109,17 @@ class KvCacheServiceImpl final : public kvcache::v1::KvCache::CallbackService {
   absl::Status CommitInline(const v1::CommitWriteRequest* request,
                             v1::CommitWriteResponse* response);
   // BeginRead over the data plane: pins, stages the copies, answers with
-  // lengths, layer offsets, the address and a token; no bytes.
+  // lengths, layer offsets, the address and a token; no bytes. The session
+  // lives on `shard`, the caller's (DataPlanes::ForClient).
   absl::Status BeginDataPlaneRead(const v1::BeginReadRequest* request,
                                   store::ReadFormat format, uint32_t holder,
+                                  ucx::DataPlane& shard,
                                   v1::BeginReadResponse* response);
 
   store::Store* store_;
   Metrics* metrics_;
   ThreadPool* workers_;
-  ucx::DataPlane* data_plane_;
+  ucx::DataPlanes* data_plane_;
   const Tenants* tenants_;
 };
 

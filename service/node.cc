@@ -73,14 +73,15 @@ absl::Status Node::Start() {
 }
 
 absl::Status Node::StartDataPlane() {
-  absl::StatusOr<std::unique_ptr<ucx::DataPlane>> plane = ucx::DataPlane::Start(
-      options_.ucx, store_.get(),
-      [pool = workers_.get()](std::function<void()> work) {
-        pool->Schedule(std::move(work));
-      },
-      [metrics = metrics_.get()](bool inbound, uint64_t bytes) {
-        metrics->RecordTransfer(inbound ? "in" : "out", "ucx", bytes);
-      });
+  absl::StatusOr<std::unique_ptr<ucx::DataPlanes>> plane =
+      ucx::DataPlanes::Start(
+          options_.ucx, store_.get(),
+          [pool = workers_.get()](std::function<void()> work) {
+            pool->Schedule(std::move(work));
+          },
+          [metrics = metrics_.get()](bool inbound, uint64_t bytes) {
+            metrics->RecordTransfer(inbound ? "in" : "out", "ucx", bytes);
+          });
   if (!plane.ok()) {
     return absl::Status(
         plane.status().code(),
@@ -164,7 +165,9 @@ void Node::LogStarted(absl::string_view arena_description) const {
                                   " with TCP (trusted network)")
                    : std::string("with TCP (trusted network), no listener"))
             : std::string("on shared memory and RDMA only, no listener"),
-        " (staging ", options_.ucx.staging_bytes, " bytes",
+        " (", data_plane_->size(),
+        data_plane_->size() == 1 ? " progress thread" : " progress threads",
+        ", staging ", options_.ucx.staging_bytes, " bytes",
         segments.in_use()
             ? absl::StrCat(", TCP segments tx ", segments.tx_bytes, " rx ",
                            segments.rx_bytes)

@@ -9,13 +9,13 @@
 // finish until drain_timeout (counted from the start of the drain, notice
 // included), cancels what is left and stops every server. Drain is
 // idempotent and is called by the destructor (with no notice).
-// With DataPlaneMode::kUcx the UCX data plane (service/ucx/data_plane.h)
-// starts before the gRPC server; Drain refuses new data-plane sessions,
-// ends commit waits by the drain deadline and stops the data plane after
-// the gRPC server and before the worker pool.
-// With a tenants file (service/tenants.h) every control-plane call is
-// authenticated; the reaper re-reads the file every tenants_refresh. Without
-// one the node runs open and says so in one warning line at start.
+// With DataPlaneMode::kUcx the UCX data plane (service/ucx/data_planes.h,
+// one or more progress threads) starts before the gRPC server; Drain refuses
+// new data-plane sessions, ends commit waits by the drain deadline and stops
+// the data plane after the gRPC server and before the worker pool. With a
+// tenants file (service/tenants.h) every control-plane call is authenticated;
+// the reaper re-reads the file every tenants_refresh. Without one the node runs
+// open and says so in one warning line at start.
 #ifndef KVCACHE_SERVICE_NODE_H_
 #define KVCACHE_SERVICE_NODE_H_
 
@@ -31,7 +31,7 @@
 #include "base/notification.h"
 #include "service/tenants.h"
 #include "service/tls.h"
-#include "service/ucx/data_plane.h"
+#include "service/ucx/data_planes.h"
 #include "store/arena.h"
 #include "store/store.h"
 
@@ -93,7 +93,7 @@ class Node {
   int ucx_port() const { return data_plane_ ? data_plane_->port() : 0; }
   store::Store* store() { return store_.get(); }
   // Null without --data-plane=ucx, and after Drain.
-  ucx::DataPlane* data_plane() { return data_plane_.get(); }
+  ucx::DataPlanes* data_plane() { return data_plane_.get(); }
   Metrics* metrics() { return metrics_.get(); }
   // Null when the node runs open.
   const Tenants* tenants() const { return tenants_.get(); }
@@ -116,7 +116,7 @@ class Node {
   std::string last_tenants_error_;  // reaper thread only
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ThreadPool> workers_;
-  std::unique_ptr<ucx::DataPlane> data_plane_;
+  std::unique_ptr<ucx::DataPlanes> data_plane_;
   std::unique_ptr<KvCacheServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> health_server_;

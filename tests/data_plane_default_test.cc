@@ -29,6 +29,7 @@
 #include "kvcache/client.h"
 #include "service/node.h"
 #include "service/ucx/data_plane.h"
+#include "service/ucx/data_planes.h"
 #include "tests/test_util.h"
 
 namespace kvcache {
@@ -177,6 +178,38 @@ TEST(DataPlaneDefaultTest, TransportsLeaveTcpOutOrAreRefused) {
               std::string::npos)
         << refused.status();
   }
+}
+
+// Each progress thread's UCX context binds a TCP interface port of its own,
+// so a node with TCP checks at start that UCX_TCP_PORT_RANGE (which
+// deployments set so that a NetworkPolicy can name the port) has room.
+TEST(DataPlaneDefaultTest, ProgressThreadsNeedAPortEachInTheTcpPortRange) {
+  ucx::DataPlaneOptions tcp;
+  tcp.tcp_trusted_network = true;
+  EXPECT_TRUE(ucx::CheckTcpPortRange(tcp, 4, "").ok());
+  EXPECT_TRUE(ucx::CheckTcpPortRange(tcp, 1, "7704-7704").ok());
+  EXPECT_TRUE(ucx::CheckTcpPortRange(tcp, 2, " 7704-7705 ").ok());
+  absl::Status narrow = ucx::CheckTcpPortRange(tcp, 2, "7704-7704");
+  EXPECT_EQ(narrow.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(narrow.message().find("UCX_TCP_PORT_RANGE=7704-7704 holds 1"),
+            std::string::npos)
+      << narrow;
+  for (const char* bad : {"7704", "7705-7704", "a-b", "1-70000", "1-2-3"}) {
+    EXPECT_EQ(ucx::CheckTcpPortRange(tcp, 1, bad).code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  // Without TCP the range binds nothing of ours.
+  EXPECT_TRUE(ucx::CheckTcpPortRange({}, 2, "7704-7704").ok());
+
+  ScopedEnv range("UCX_TCP_PORT_RANGE", "47704-47704");
+  ScopedEnv tls("UCX_TLS", "tcp");
+  service::NodeOptions options = DefaultUcxNode();
+  options.ucx.tcp_trusted_network = true;
+  options.ucx.progress_threads = 2;
+  service::Node node(options);
+  absl::Status started = node.Start();
+  EXPECT_EQ(started.code(), absl::StatusCode::kFailedPrecondition) << started;
 }
 
 TEST(DataPlaneDefaultTest,

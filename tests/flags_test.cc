@@ -10,11 +10,11 @@ namespace kvcache::service {
 namespace {
 
 TEST(FlagsTest, ParsesEveryFlag) {
-  auto f = ParseNodeFlags({"--listen=127.0.0.1:1234", "--memory=host:2GiB",
-                           "--metrics-listen=", "--page-size=16KiB",
-                           "--default-codec=kivi2", "--drain-timeout=3.5",
-                           "--health-listen=0.0.0.0:8081",
-                           "--prefault-memory=false"});
+  auto f = ParseNodeFlags(
+      {"--listen=127.0.0.1:1234", "--memory=host:2GiB",
+       "--metrics-listen=", "--page-size=16KiB", "--default-codec=kivi2",
+       "--drain-timeout=3.5", "--health-listen=0.0.0.0:8081",
+       "--prefault-memory=false", "--ucx-progress-threads=3"});
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->options.listen, "127.0.0.1:1234");
   EXPECT_EQ(f->options.memory.bytes, 2ull << 30);
@@ -25,6 +25,8 @@ TEST(FlagsTest, ParsesEveryFlag) {
   EXPECT_EQ(f->options.health_listen, "0.0.0.0:8081");
   EXPECT_FALSE(f->options.prefault_memory);
   EXPECT_TRUE(ParseNodeFlags({})->options.prefault_memory);
+  EXPECT_EQ(f->options.ucx.progress_threads, 3);
+  EXPECT_EQ(ParseNodeFlags({})->options.ucx.progress_threads, 1);
   EXPECT_FALSE(f->help);
 }
 
@@ -46,7 +48,8 @@ TEST(FlagsTest, RejectsBadInputNamingTheFlag) {
   for (const char* bad :
        {"--memory=host:lots", "--default-codec=int3", "--bogus=1", "listen",
         "--listen", "--drain-timeout=-1", "--page-size=huge",
-        "--prefault-memory=yes"}) {
+        "--prefault-memory=yes", "--ucx-progress-threads=65",
+        "--ucx-progress-threads=-1", "--ucx-progress-threads=0"}) {
     auto f = ParseNodeFlags({bad});
     EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }

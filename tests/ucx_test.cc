@@ -65,6 +65,8 @@ struct Transport {
   // The node's read delivery: tcp_puts makes tcp reads go by (emulated)
   // puts, the path RDMA takes, which tcp's default (data messages) skips.
   ucx::ReadDelivery delivery = ucx::ReadDelivery::kAuto;
+  // The node's data-plane shards (DataPlaneOptions::progress_threads).
+  int progress_threads = 1;
   bool tcp() const { return std::string(tls) == "tcp"; }
 };
 
@@ -105,6 +107,7 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     options.ucx.staging_bytes = staging;
     options.ucx.handshake_timeout = absl::Seconds(1);
     options.ucx.read_delivery = GetParam().delivery;
+    options.ucx.progress_threads = GetParam().progress_threads;
     node_ = std::make_unique<service::Node>(options);
     absl::Status started = node_->Start();
     ASSERT_TRUE(started.ok()) << started;
@@ -226,6 +229,56 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
   std::unique_ptr<Client> grpc_client_;  // kGrpc
   std::map<int, std::vector<uint16_t>> data_;
 };
+
+// Client processes (here: clients with gRPC connections of their own) are
+// spread over the node's progress threads, and each keeps the one it was
+// given: its later sessions open no connection on another.
+TEST_P(UcxTest, ClientsSpreadOverTheProgressThreadsAndEachKeepsItsOwn) {
+  ucx::DataPlanes* planes = node_->data_plane();
+  ASSERT_EQ(planes->size(), static_cast<size_t>(GetParam().progress_threads));
+  if (planes->size() < 2) GTEST_SKIP() << "one progress thread";
+  const kernels::BlockShape shape = LargeShape();
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("spread", Codec::kFp8E4M3, shape)).ok());
+  std::vector<std::unique_ptr<Client>> others;
+  for (int i = 0; i < 3; ++i) others.push_back(NewClient(DataPlane::kUcx));
+  std::vector<Client*> clients = {client_.get()};
+  for (auto& c : others) clients.push_back(c.get());
+  auto connections = [&] {
+    std::vector<uint32_t> per_shard;
+    for (size_t s = 0; s < planes->size(); ++s) {
+      per_shard.push_back(planes->shard(s).Stats().connections);
+    }
+    return per_shard;
+  };
+  int next_key = 0;
+  auto round = [&] {
+    for (Client* c : clients) {
+      const int first = next_key;
+      next_key += 2;
+      auto put = PutChain(c, "spread", shape, first, 2);
+      ASSERT_TRUE(put.ok()) << put.status();
+      ASSERT_EQ(put->stored, 2u);
+      auto got = c->Get("spread", Keys(first, 2), ReadFormat::kRaw);
+      auto want = grpc_client_->Get("spread", Keys(first, 2), ReadFormat::kRaw);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_TRUE(want.ok()) << want.status();
+      ASSERT_EQ(got->blocks.size(), 2u);
+      for (int b = 0; b < 2; ++b) {
+        EXPECT_EQ(got->blocks[b].bytes, want->blocks[b].bytes) << "block " << b;
+      }
+    }
+  };
+  round();
+  // Four clients, two shards: two on each (the fewest-served shard first).
+  EXPECT_EQ(connections(), std::vector<uint32_t>({2, 2}));
+  round();
+  round();
+  EXPECT_EQ(connections(), std::vector<uint32_t>({2, 2}));
+  const ucx::DataPlaneStats sum = planes->Stats();
+  EXPECT_EQ(sum.connections, 4u);
+  EXPECT_EQ(sum.staging_used_bytes, 0u);
+}
 
 TEST_P(UcxTest, PutGetRoundTripsOverUcxInBothFormats) {
   for (kernels::BlockShape shape : {SmallShape(), LargeShape()}) {
@@ -2537,14 +2590,18 @@ TEST_P(UcxTest, AReadPastItsDeadlineLeavesItsNeighboursAlone) {
   // (it does not always see a client's force-close over TCP).
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, UcxTest,
-                         ::testing::Values(Transport{"tcp", "tcp"},
-                                           Transport{"tcp_puts", "tcp",
-                                                     ucx::ReadDelivery::kPuts},
-                                           Transport{"shm", "posix,sysv,self"}),
-                         [](const ::testing::TestParamInfo<Transport>& info) {
-                           return std::string(info.param.name);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Transports, UcxTest,
+    ::testing::Values(Transport{"tcp", "tcp"},
+                      Transport{"tcp_puts", "tcp", ucx::ReadDelivery::kPuts},
+                      Transport{"shm", "posix,sysv,self"},
+                      Transport{"tcp_2threads", "tcp", ucx::ReadDelivery::kAuto,
+                                2},
+                      Transport{"shm_2threads", "posix,sysv,self",
+                                ucx::ReadDelivery::kAuto, 2}),
+    [](const ::testing::TestParamInfo<Transport>& info) {
+      return std::string(info.param.name);
+    });
 
 // Child mode "node": a node with the UCX data plane on loopback; prints its
 // gRPC port on stdout and serves until killed.

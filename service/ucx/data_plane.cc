@@ -115,12 +115,15 @@ struct DataPlane::ReadSession {
 // ------------------------------------------------------------- lifecycle
 
 DataPlane::DataPlane(DataPlaneOptions options, store::Store* store,
-                     Executor executor, TransferObserver observer)
+                     Executor executor, TransferObserver observer,
+                     std::shared_ptr<StagingBudget> budget)
     : options_(std::move(options)),
       store_(store),
       executor_(std::move(executor)),
       observer_(std::move(observer)),
-      budget_(std::make_shared<StagingBudget>(options_.staging_bytes)) {}
+      budget_(budget != nullptr
+                  ? std::move(budget)
+                  : std::make_shared<StagingBudget>(options_.staging_bytes)) {}
 
 absl::StatusOr<std::string> TransportsWithoutTcp(absl::string_view ucx_tls) {
   ucx_tls = absl::StripAsciiWhitespace(ucx_tls);
@@ -150,9 +153,9 @@ absl::StatusOr<std::string> TransportsWithoutTcp(absl::string_view ucx_tls) {
 
 absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(
     DataPlaneOptions options, store::Store* store, Executor executor,
-    TransferObserver observer) {
+    TransferObserver observer, std::shared_ptr<StagingBudget> budget) {
   WorkerLoop::Options loop_options;
-  loop_options.name = "kvcache-node";
+  loop_options.name = options.ucx_name;
   loop_options.spin_iterations = options.spin_iterations;
   if (!options.tcp_trusted_network) {
     if (!options.listen.empty()) {
@@ -166,8 +169,9 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(
     if (!tls.ok()) return tls.status();
     loop_options.ucx_settings.push_back({"TLS", *std::move(tls)});
   }
-  std::unique_ptr<DataPlane> plane = absl::WrapUnique(new DataPlane(
-      std::move(options), store, std::move(executor), std::move(observer)));
+  std::unique_ptr<DataPlane> plane = absl::WrapUnique(
+      new DataPlane(std::move(options), store, std::move(executor),
+                    std::move(observer), std::move(budget)));
   absl::StatusOr<std::unique_ptr<WorkerLoop>> loop =
       WorkerLoop::Start(loop_options);
   if (!loop.ok()) return loop.status();
@@ -390,6 +394,16 @@ absl::StatusOr<Token> DataPlane::OpenWrite(
   if (draining_) return absl::UnavailableError("the node is draining");
   writes_[session->id] = std::move(session);
   return *token;
+}
+
+bool DataPlane::HasWrite(uint64_t write_id) const {
+  MutexLock lock(&mu_);
+  return writes_.contains(write_id);
+}
+
+bool DataPlane::HasRead(uint64_t lease_id) const {
+  MutexLock lock(&mu_);
+  return reads_.contains(lease_id);
 }
 
 bool DataPlane::Commit(uint64_t write_id, absl::Time deadline,

@@ -1,5 +1,6 @@
-// DataPlane: the node's UCX data plane (BRIEF section 5). One UCX context,
-// one worker progressed by one thread (WorkerLoop), one listener. KV bytes
+// DataPlane: the node's UCX data plane (BRIEF section 5), or one shard of
+// it (data_planes.h). One UCX context, one worker progressed by one thread
+// (WorkerLoop), at most one listener. KV bytes
 // travel here; the gRPC control plane (service/kvcache_service.cc) opens and
 // closes the sessions that allow them to.
 //
@@ -128,6 +129,12 @@ struct DataPlaneOptions {
   absl::Duration handshake_timeout = absl::Seconds(10);
   // Progress-thread tuning (see WorkerLoop).
   int spin_iterations = 64;
+  // How many shards (each a UCX worker with its own progress thread) the
+  // node's data plane runs (DataPlanes, data_planes.h); a DataPlane itself
+  // is one.
+  int progress_threads = 1;
+  // The name of this DataPlane's UCX context (in UCX's own logs).
+  std::string ucx_name = "kvcache-node";
   ReadDelivery read_delivery = ReadDelivery::kAuto;
 };
 
@@ -171,9 +178,13 @@ class DataPlane {
   using CommitDone =
       std::function<void(absl::StatusOr<store::CommitResult> result)>;
 
+  // `budget`: the staging budget this data plane draws from, shared with
+  // other shards of the node's data plane; null: one of its own, of
+  // options.staging_bytes.
   static absl::StatusOr<std::unique_ptr<DataPlane>> Start(
       DataPlaneOptions options, store::Store* store, Executor executor,
-      TransferObserver observer);
+      TransferObserver observer,
+      std::shared_ptr<StagingBudget> budget = nullptr);
   ~DataPlane();
   DataPlane(const DataPlane&) = delete;
   DataPlane& operator=(const DataPlane&) = delete;
@@ -244,6 +255,11 @@ class DataPlane {
 
   DataPlaneStats Stats() const;
 
+  // Whether a session of this data plane holds the write `write_id` or the
+  // read lease `lease_id` (a snapshot: it may end right after).
+  bool HasWrite(uint64_t write_id) const;
+  bool HasRead(uint64_t lease_id) const;
+
   // For each block of `result`, the offsets where each of its layers ends
   // in `format` (fp16: equal slices; raw: the sections of the codec the
   // block is stored with). A block whose layers cannot be told apart gets
@@ -257,7 +273,7 @@ class DataPlane {
   struct ReadSession;
 
   DataPlane(DataPlaneOptions options, store::Store* store, Executor executor,
-            TransferObserver observer);
+            TransferObserver observer, std::shared_ptr<StagingBudget> budget);
   absl::Status Listen();
 
   // UCX callbacks (loop thread).
