@@ -47,6 +47,11 @@ absl::Status Node::Start() {
                     ? options_.worker_threads
                     : static_cast<int>(std::thread::hardware_concurrency());
   workers_ = std::make_unique<ThreadPool>(threads);
+  store_->SetReadExecutor(
+      [pool = workers_.get()](std::function<void()> work) {
+        pool->Schedule(std::move(work));
+      },
+      threads - 1);
   if (options_.data_plane == DataPlaneMode::kUcx) {
     if (absl::Status s = StartDataPlane(); !s.ok()) return s;
   }

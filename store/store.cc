@@ -365,6 +365,11 @@ Store::Store(const StoreOptions& options, std::unique_ptr<Arena> arena)
 
 Store::~Store() = default;
 
+void Store::SetReadExecutor(Executor executor, int helpers) {
+  read_executor_ = std::move(executor);
+  read_helpers_ = helpers;
+}
+
 void Store::SetQuantizeObserver(QuantizeObserver observer) {
   quantize_observer_ = std::move(observer);
 }
@@ -1524,14 +1529,28 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
   if (options.pin_lease_id != 0) ReleaseReadLease(options.pin_lease_id);
 
   result.ns = ns->info;
-  std::vector<uint8_t> stored;
+  // Every block is verified (and decoded) at once on the read executor;
+  // then, in key order, the first error ends the read and corrupt blocks
+  // are dropped.
+  struct Pending {
+    ReadBlock block;
+    absl::Status status;
+    absl::Status verified;
+  };
+  std::vector<Pending> pending(entries.size());
+  ParallelFor(entries.size(), read_executor_, read_helpers_, [&](size_t j) {
+    std::vector<uint8_t> stored;
+    pending[j].block.key = keys[positions[j]];
+    pending[j].status =
+        ReadPinnedBlock(*ns, *entries[j], options, &stored, &pending[j].block,
+                        &pending[j].verified);
+  });
   absl::Status status;
   for (size_t j = 0; j < entries.size() && status.ok(); ++j) {
     Entry* entry = entries[j];
-    ReadBlock block;
-    block.key = keys[positions[j]];
-    absl::Status verified;
-    status = ReadPinnedBlock(*ns, *entry, options, &stored, &block, &verified);
+    ReadBlock& block = pending[j].block;
+    const absl::Status& verified = pending[j].verified;
+    status = pending[j].status;
     if (!status.ok()) break;
     if (!verified.ok()) {
       DropCorrupt(entry);

@@ -83,6 +83,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "base/mutex.h"
+#include "base/parallel_for.h"
 #include "kernels/codec.h"
 #include "store/arena.h"
 #include "store/block_header.h"
@@ -288,6 +289,11 @@ class Store {
 
   // Set before the store is shared between threads.
   void SetQuantizeObserver(QuantizeObserver observer);
+  // Set before the store is shared between threads: BeginRead verifies
+  // (and decodes) its blocks on the calling thread and on up to `helpers`
+  // tasks of `executor` at once (base/parallel_for.h; the caller may itself
+  // be one of its tasks). Without it, on the calling thread alone.
+  void SetReadExecutor(Executor executor, int helpers);
 
   // INVALID_ARGUMENT: bad name, shape, codec policy or owner.
   // FAILED_PRECONDITION: the name exists with a different layout or policy.
@@ -523,6 +529,8 @@ class Store {
   const std::unique_ptr<Arena> arena_;
   const uint64_t header_slab_bytes_;
   QuantizeObserver quantize_observer_;
+  Executor read_executor_;
+  int read_helpers_ = 0;
 
   mutable Mutex ns_mu_;
   // max_namespaces slots. A slot is written under ns_mu_ before any block

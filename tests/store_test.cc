@@ -267,6 +267,66 @@ TEST(StoreTest, InPlaceReadWithAllowMissingListsACorruptBlockAsMissing) {
   EXPECT_EQ(store->Stats().pinned_bytes, 0u);
 }
 
+// With a read executor, BeginRead verifies and decodes its blocks on several
+// threads at once and answers exactly as on one: the same bytes, the same
+// misses, the same block dropped as corrupt, the same error.
+TEST(StoreTest, ReadsOnTheReadExecutorAnswerAsOnOneThread) {
+  std::vector<std::thread> threads;
+  auto parallel = MakeStore(8 << 20);
+  auto serial = MakeStore(8 << 20);
+  parallel->SetReadExecutor(
+      [&](std::function<void()> work) {
+        threads.emplace_back(std::move(work));
+      },
+      3);
+  for (Store* store : {parallel.get(), serial.get()}) {
+    for (Codec codec : {Codec::kFp8E4M3, Codec::kNone}) {
+      const std::string ns(kernels::CodecName(codec));
+      ASSERT_TRUE(store->RegisterNamespace(Config(ns, codec)).ok());
+      ASSERT_TRUE(WriteChain(store, ns, 0, 16).ok());
+      ASSERT_TRUE(store->CorruptBlockForTest(ns, Key(5)).ok());
+    }
+  }
+  auto bytes = [](const ReadBlock& block) {
+    return block.spans.empty() ? block.data : Concat(block);
+  };
+  for (const char* ns : {"fp8_e4m3", "none"}) {
+    for (ReadOptions options :
+         {AllowMissing(Copy(ReadFormat::kFp16)),
+          AllowMissing(Copy(ReadFormat::kRaw)),
+          InPlace(AllowMissing(Leased(ReadFormat::kRaw, absl::Seconds(30))))}) {
+      auto got = parallel->BeginRead(ns, Keys(0, 16), options);
+      auto want = serial->BeginRead(ns, Keys(0, 16), options);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_TRUE(want.ok()) << want.status();
+      EXPECT_EQ(got->missing, std::vector<uint32_t>{5}) << ns;
+      ASSERT_EQ(got->blocks.size(), want->blocks.size());
+      for (size_t j = 0; j < got->blocks.size(); ++j) {
+        EXPECT_EQ(got->blocks[j].key, want->blocks[j].key);
+        EXPECT_EQ(got->blocks[j].spans.empty(), want->blocks[j].spans.empty());
+        EXPECT_EQ(bytes(got->blocks[j]), bytes(want->blocks[j]))
+            << ns << " block " << j;
+      }
+      if (options.keep_lease) {
+        ASSERT_TRUE(parallel->EndLease(got->lease_id).ok());
+        ASSERT_TRUE(serial->EndLease(want->lease_id).ok());
+      }
+    }
+  }
+  for (Store* store : {parallel.get(), serial.get()}) {
+    ASSERT_TRUE(store->CorruptBlockForTest("none", Key(9)).ok());
+    auto read = store->BeginRead("none", Keys(6, 10), Copy(ReadFormat::kFp16));
+    EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_NE(read.status().message().find("block 3:"), std::string::npos)
+        << read.status();
+    StoreStats s = store->Stats();
+    EXPECT_EQ(s.data_loss_events, 3u);
+    EXPECT_EQ(s.pinned_bytes, 0u);
+  }
+  EXPECT_FALSE(threads.empty()) << "no helper was scheduled";
+  for (std::thread& t : threads) t.join();
+}
+
 TEST(StoreTest, WritesAreInvisibleUntilCommit) {
   auto store = MakeStore(1 << 20);
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
