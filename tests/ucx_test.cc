@@ -373,34 +373,42 @@ TEST_P(UcxTest, GetIntoDeliversLayerByLayerIntoCallerMemory) {
   const kernels::BlockShape shape = LargeShape();
   ASSERT_TRUE(
       client_->RegisterNamespace(Spec("layers", Codec::kFp8E4M3, shape)).ok());
-  ASSERT_TRUE(PutChain(client_.get(), "layers", shape, 0, 3).ok());
-  auto reference = grpc_client_->Get("layers", Keys(0, 3), ReadFormat::kRaw);
+  constexpr int kBlocks = 12;
+  ASSERT_TRUE(PutChain(client_.get(), "layers", shape, 0, kBlocks).ok());
+  auto reference =
+      grpc_client_->Get("layers", Keys(0, kBlocks), ReadFormat::kRaw);
   ASSERT_TRUE(reference.ok());
   const size_t stride = kernels::Fp16BlockBytes(shape);
-  std::vector<uint8_t> buffer(3 * stride, 0xEE);
+  std::vector<uint8_t> buffer(kBlocks * stride, 0xEE);
   for (ReadFormat format : {ReadFormat::kRaw, ReadFormat::kFp16}) {
-    auto read = client_->GetInto("layers", Keys(0, 3), format,
+    std::fill(buffer.begin(), buffer.end(), 0xEE);
+    auto read = client_->GetInto("layers", Keys(0, kBlocks), format,
                                  absl::MakeSpan(buffer), stride);
     ASSERT_TRUE(read.ok()) << read.status();
     EXPECT_TRUE((*read)->over_data_plane());
     ASSERT_EQ((*read)->num_layers(), shape.num_layers);
     const auto& placements = (*read)->placements();
-    ASSERT_EQ(placements.size(), 3u);
-    // Layer 0 first: its bytes are in place once WaitLayer(0) returns.
-    ASSERT_TRUE((*read)->WaitLayer(0).ok());
-    for (int b = 0; b < 3; ++b) {
-      ASSERT_EQ(placements[b].layer_ends.size(), shape.num_layers);
-      if (format == ReadFormat::kRaw) {
-        EXPECT_EQ(std::memcmp(buffer.data() + placements[b].offset,
-                              reference->blocks[b].bytes.data(),
-                              placements[b].layer_ends[0]),
-                  0);
+    ASSERT_EQ(placements.size(), static_cast<size_t>(kBlocks));
+    // Layer by layer: each layer's bytes are in place once WaitLayer(l)
+    // returns, whatever of the later layers is still on its way.
+    for (uint32_t l = 0; l < shape.num_layers; ++l) {
+      ASSERT_TRUE((*read)->WaitLayer(l).ok());
+      if (format != ReadFormat::kRaw) continue;
+      for (int b = 0; b < kBlocks; ++b) {
+        const std::vector<uint64_t>& ends = placements[b].layer_ends;
+        ASSERT_EQ(ends.size(), shape.num_layers);
+        const uint64_t begin = l == 0 ? 0 : ends[l - 1];
+        EXPECT_EQ(std::memcmp(buffer.data() + placements[b].offset + begin,
+                              reference->blocks[b].bytes.data() + begin,
+                              ends[l] - begin),
+                  0)
+            << "block " << b << " layer " << l;
       }
     }
     ASSERT_TRUE((*read)->Wait().ok());
-    auto full = grpc_client_->Get("layers", Keys(0, 3), format);
+    auto full = grpc_client_->Get("layers", Keys(0, kBlocks), format);
     ASSERT_TRUE(full.ok());
-    for (int b = 0; b < 3; ++b) {
+    for (int b = 0; b < kBlocks; ++b) {
       ASSERT_EQ(placements[b].length, full->blocks[b].bytes.size());
       EXPECT_EQ(std::memcmp(buffer.data() + placements[b].offset,
                             full->blocks[b].bytes.data(), placements[b].length),

@@ -5,6 +5,9 @@ the workload's 32 tokens, 256 MiB of fp16 KV), one decode worker does what
 an engine does on a hit: a pinning Lookup of the prefix's keys, then one
 GetInto of the whole prefix into registered memory, and measures
 
+  begun:       from the Lookup call to GetInto returning (the node has
+               pinned and verified the blocks: BeginRead answered, and
+               the read's start is on its way);
   first layer: from the Lookup call to WaitLayer(0) returning (layer 0 of
                every block usable in its memory, as fp16);
   whole:       from the Lookup call to Wait returning (every layer).
@@ -36,20 +39,21 @@ import servers
 from workload import BLOCK_BYTES, TOKENS, block_key, fill_blocks
 
 
-def _measure(client, keys: list[bytes], dest: np.ndarray) -> tuple[float, float]:
-    """(first layer, whole) seconds of one Lookup + GetInto of `keys`."""
+def _measure(client, keys: list[bytes], dest: np.ndarray) -> tuple[float, float, float]:
+    """(begun, first layer, whole) seconds of one Lookup + GetInto of `keys`."""
     t0 = time.monotonic()
     hit = client.lookup(clients.NAMESPACE, keys, pin=True)
     if hit.prefix_blocks != len(keys):
         raise RuntimeError(f"lookup found {hit.prefix_blocks} of {len(keys)} blocks")
     read = client.get_into(clients.NAMESPACE, keys, dest, pin_lease=hit.pin_lease,
                            stride=BLOCK_BYTES)
+    tb = time.monotonic()
     read.wait_layer(0)
     t1 = time.monotonic()
     read.wait()
     t2 = time.monotonic()
     del read
-    return t1 - t0, t2 - t0
+    return tb - t0, t1 - t0, t2 - t0
 
 
 def _run(node_bin: str, path: str, codec: str, blocks: int, reps: int) -> dict:
@@ -64,13 +68,15 @@ def _run(node_bin: str, path: str, codec: str, blocks: int, reps: int) -> dict:
                 adapter.put(keys[i:i + 16], src[i:i + 16])
             client = adapter._client
             _measure(client, keys, dst)  # untimed: connections, registrations
-            firsts, wholes = [], []
+            begins, firsts, wholes = [], [], []
             for _ in range(reps):
-                first, whole = _measure(client, keys, dst)
+                begun, first, whole = _measure(client, keys, dst)
+                begins.append(begun * 1e3)
                 firsts.append(first * 1e3)
                 wholes.append(whole * 1e3)
             adapter.close()
-    return {"path": path, "codec": codec, "first_ms": firsts, "whole_ms": wholes}
+    return {"path": path, "codec": codec, "begun_ms": begins, "first_ms": firsts,
+            "whole_ms": wholes}
 
 
 def _run_apart(path: str, codec: str, blocks: int, reps: int) -> dict:
@@ -102,13 +108,15 @@ def main() -> int:
     print(f"first-layer: a {tokens}-token prefix ({blocks} blocks, "
           f"{blocks * BLOCK_BYTES >> 20} MiB fp16), {reps} reads each; "
           f"load {open('/proc/loadavg').read().strip()}")
-    print(f"{'path':5} {'codec':9} {'first layer ms':>22} {'whole ms':>22} {'first/whole':>11}")
+    print(f"{'path':5} {'codec':9} {'begun ms':>22} {'first layer ms':>22} "
+          f"{'whole ms':>22} {'first/whole':>11}")
     for path in paths:
         for codec in codecs:
             r = _run_apart(path, codec, blocks, reps)
-            f, w = r["first_ms"], r["whole_ms"]
-            mf, mw = statistics.median(f), statistics.median(w)
-            print(f"{path:5} {codec:9} {mf:9.1f} ({min(f):5.1f}-{max(f):6.1f})"
+            b, f, w = r["begun_ms"], r["first_ms"], r["whole_ms"]
+            mb, mf, mw = statistics.median(b), statistics.median(f), statistics.median(w)
+            print(f"{path:5} {codec:9} {mb:9.1f} ({min(b):5.1f}-{max(b):6.1f})"
+                  f" {mf:9.1f} ({min(f):5.1f}-{max(f):6.1f})"
                   f" {mw:9.1f} ({min(w):5.1f}-{max(w):6.1f}) {mf / mw:11.2f}",
                   flush=True)
     print(f"first-layer: load at end {open('/proc/loadavg').read().strip()}")
