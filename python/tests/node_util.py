@@ -6,6 +6,7 @@ The binary is $KVCACHE_NODE_BIN, else the tree's build/service/kvcache-node.
 import contextlib
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -75,3 +76,21 @@ def start_node(*flags: str, memory: str = "host:512MiB", codec: str = "none"):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def stop_node(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOPs the node and returns once every one of its threads has
+    stopped. os.kill only queues the signal: until a thread of the node
+    takes it, the others keep answering calls (a thread busy in the kernel,
+    such as the arena's prefault, can take it milliseconds late)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with open(f"/proc/{pid}/status") as status:
+            if any(line.startswith("State:") and "T (stopped)" in line
+                   for line in status):
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"kvcache-node {pid} did not stop in {timeout_s} s")
+        time.sleep(0.001)
+

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvcache
-from node_util import start_node
+from node_util import start_node, stop_node
 
 LAYERS, HEADS, DIM, T = 3, 2, 16, 8
 
@@ -259,7 +259,7 @@ def test_cluster_client_over_three_nodes():
             assert read.wait_layer(l) == 12
         np.testing.assert_array_equal(dest, data)
         # A node down is a miss: the prefix ends at its first key.
-        os.kill(b.pid, signal.SIGSTOP)
+        stop_node(b.pid)
         try:
             first_b = next(i for i, k in enumerate(keys) if cluster.owner_of(k) == b.address)
             got = cluster.lookup("fleet", keys, timeout_s=1.5)
@@ -273,7 +273,7 @@ def test_the_gil_is_released_while_a_call_waits_on_a_node():
         client = kvcache.Client(n.address, data_plane="grpc")
         client.register_namespace(spec("gil"))
         keys = kvcache.block_hash_chain(list(range(T)), T)
-        os.kill(n.pid, signal.SIGSTOP)
+        stop_node(n.pid)
         ticks, stop = [0], threading.Event()
 
         def tick():
@@ -302,7 +302,7 @@ def test_a_cancel_token_ends_a_call():
         client = kvcache.Client(n.address, data_plane="grpc")
         client.register_namespace(spec("cancel"))
         keys = kvcache.block_hash_chain(list(range(T)), T)
-        os.kill(n.pid, signal.SIGSTOP)
+        stop_node(n.pid)
         token = kvcache.CancelToken()
         threading.Timer(0.2, token.cancel).start()
         try:

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from node_util import start_node
+from node_util import start_node, stop_node
 
 try:
     import torch
@@ -216,7 +216,7 @@ def test_a_stopped_node_is_a_miss_and_a_failed_write():
         fill(pool, [1], seed=6)
         k = keys(1, salt="stopped")
         assert all(storage.batch_set_v1(k, indices([1])))
-        os.kill(n.pid, signal.SIGSTOP)
+        stop_node(n.pid)
         try:
             assert storage.batch_exists(k) == 0
             assert storage.batch_get_v1(k, indices([2])) == [False]

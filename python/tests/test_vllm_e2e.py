@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from node_util import start_node  # noqa: E402  (python/tests/node_util.py)
+from node_util import start_node, stop_node  # noqa: E402  (python/tests/node_util.py)
 
 try:
     import vllm  # noqa: F401
@@ -153,7 +153,7 @@ def test_random_kv_changes_the_tokens(workdir, model_dir, reference):
 def test_a_stopped_node_means_recompute(workdir, model_dir, reference):
     prompts = _prompts()[:3]
     with start_node() as node:
-        os.kill(node.pid, signal.SIGSTOP)
+        stop_node(node.pid)
         try:
             got = drive(workdir, model_dir, prompts, "stopped", "--node",
                         node.address, "--timeout-s", "2")
