@@ -57,10 +57,7 @@
 //                  order they arrive, which on one connection is the order
 //                  they were sent), not merely that many: a later eager
 //                  piece lands while an earlier rendezvous one is still
-//                  being received. So the node sends a layer's status right
-//                  after the layer's messages (only the last one waits for
-//                  a flush), and the client applies the statuses it holds
-//                  in the order they came.
+//                  being received.
 //
 // Invariants:
 //  * A token is 16 bytes from the kernel's CSPRNG (getrandom), issued by the

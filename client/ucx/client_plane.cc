@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <future>
 #include <memory>
 #include <optional>
@@ -169,9 +168,9 @@ struct ClientPlane::ReadState {
   uint64_t region_size = 0;
   ucp_mem_h memh = nullptr;
   // Loop thread only: data messages that have landed, or are being received
-  // into the region; the statuses that wait for more to land, in the order
-  // they came (see ReadStatusHeader::data_messages); and the end that waits
-  // for receives to finish.
+  // into the region; the latest status that waits for more to land (see
+  // ReadStatusHeader::data_messages); and the end that waits for receives
+  // to finish.
   // Messages are numbered in the order they arrive (the order the node
   // sent them); landed_prefix: how many leading ones have all landed;
   // landed_later: those landed beyond it.
@@ -179,7 +178,7 @@ struct ClientPlane::ReadState {
   uint32_t landed_prefix = 0;
   absl::btree_set<uint32_t> landed_later;
   uint32_t receiving = 0;
-  std::deque<ReadStatusHeader> waiting_statuses;
+  std::optional<ReadStatusHeader> waiting_status;
   std::optional<absl::Status> detach_when_received;
 
   Mutex mu;
@@ -640,10 +639,9 @@ ucs_status_t ClientPlane::OnReadStatus(
   if (state == nullptr) return UCS_OK;
   const absl::string_view message(static_cast<const char*>(data), length);
   if (h->code == 0 && h->has_data_messages &&
-      (state->landed_prefix < h->data_messages ||
-       !state->waiting_statuses.empty())) {
-    // Layers whose data is still landing: applied by DataLanded, in order.
-    state->waiting_statuses.push_back(*h);
+      state->landed_prefix < h->data_messages) {
+    // Layers whose data is still landing: applied by DataLanded.
+    state->waiting_status = *h;
     return UCS_OK;
   }
   absl::Status status;
@@ -737,15 +735,15 @@ void ClientPlane::DataLanded(const std::shared_ptr<ReadState>& state,
   } else {
     state->landed_later.insert(index);
   }
-  while (!state->waiting_statuses.empty() &&
-         state->landed_prefix >=
-             state->waiting_statuses.front().data_messages) {
-    const ReadStatusHeader h = state->waiting_statuses.front();
-    state->waiting_statuses.pop_front();
-    if (h.layers_done >= h.num_layers) {
-      EndRead(state->token, h.layers_done, absl::OkStatus());
-      return;  // the read is over
-    }
+  if (!state->waiting_status.has_value() ||
+      state->landed_prefix < state->waiting_status->data_messages) {
+    return;
+  }
+  const ReadStatusHeader h = *state->waiting_status;
+  state->waiting_status.reset();
+  if (h.layers_done >= h.num_layers) {
+    EndRead(state->token, h.layers_done, absl::OkStatus());
+  } else {
     state->Update(h.layers_done, false, absl::OkStatus());
   }
 }
