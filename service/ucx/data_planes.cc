@@ -126,11 +126,14 @@ void DataPlanes::Expire(absl::Time now) {
   for (const std::unique_ptr<DataPlane>& shard : shards_) shard->Expire(now);
   if (shards_.size() == 1) return;
   MutexLock lock(&mu_);
-  absl::erase_if(clients_, [&](const auto& entry) {
-    if (now - entry.second.last_seen < kClientIdle) return false;
-    --clients_per_shard_[entry.second.shard];
-    return true;
-  });
+  for (auto it = clients_.begin(); it != clients_.end();) {
+    if (now - it->second.last_seen < kClientIdle) {
+      ++it;
+      continue;
+    }
+    --clients_per_shard_[it->second.shard];
+    clients_.erase(it++);
+  }
 }
 
 void DataPlanes::BeginDrain(absl::Time deadline) {
