@@ -118,7 +118,7 @@ fi
 check "Dockerfile static checks" "$PY" tests/deploy/check_dockerfile.py
 check "entrypoint sizes --memory" tests/deploy/entrypoint_test.sh
 if command -v shellcheck > /dev/null; then
-  check "shellcheck" shellcheck scripts/deploy-check.sh scripts/observe.sh deploy/docker/*.sh tests/deploy/*.sh
+  check "shellcheck" shellcheck scripts/deploy-check.sh scripts/observe.sh scripts/gpu-bundle.sh scripts/gpu-bundle-check.sh scripts/gpu-check.sh deploy/docker/*.sh tests/deploy/*.sh
 else
   echo "=== shellcheck: not installed, skipped"
 fi

@@ -9,8 +9,9 @@
 # tests, the UCX data-plane tests and the soak under ThreadSanitizer, the
 # real-KV quality check, the fuzz targets
 # of fuzz/ (their regression inputs and a short run each), a local
-# observability run (real nodes, a real Prometheus, asserted by a test) and
-# the offline deployment checks. Exits non-zero on any failure.
+# observability run (real nodes, a real Prometheus, asserted by a test), the
+# offline deployment checks and the GPU bundle's isolated-root check. Exits
+# non-zero on any failure.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -118,5 +119,16 @@ trap 'rm -f "$metrics_file"' EXIT
 
 echo "== deployment checks (against the metrics of a real node)"
 KVCACHE_DEPLOY_SKIP_OBSERVE=1 "$root/scripts/deploy-check.sh" "$metrics_file"
+
+echo "== GPU bundle: built for sm_90, under 64 MiB, run in an isolated root"
+# scripts/gpu-bundle.sh packs what scripts/gpu-check.sh runs on a bare GPU
+# machine; here every GPU step must report "no device" and every host step
+# pass, with only glibc, libstdc++ and libgcc_s under the binaries.
+if command -v nvcc >/dev/null 2>&1 || [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  "$root/scripts/gpu-bundle-check.sh"
+else
+  echo "no nvcc on this machine: the GPU bundle is not built (install CUDA 13 to check it)"
+fi
+stamp
 
 echo "== all tests passed in $(( $(date +%s) - start )) s"

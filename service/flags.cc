@@ -200,8 +200,10 @@ Usage: kvcache-node [--flag=value ...]
                                 (default: none; health is also on --listen)
   --metrics-listen=HOST:PORT    Prometheus /metrics (default 0.0.0.0:9464;
                                 empty disables)
-  --memory=host:SIZE            memory tier and size, e.g. host:1GiB
-                                (gpu:INDEX:SIZE is refused: no GPU tier yet)
+  --memory=TIER:SIZE            where blocks live: host:SIZE (e.g. host:1GiB)
+                                or gpu:INDEX:SIZE (e.g. gpu:0:60GiB, memory
+                                of CUDA device INDEX; the node does not start
+                                when CUDA does not reach that device)
   --page-size=BYTES             pool page size, power of two (default 16KiB)
   --prefault-memory=BOOL        true (default): fault the host memory in on
                                 a background thread from the start, so the

@@ -57,6 +57,15 @@ TEST(FlagsTest, RejectsBadInputNamingTheFlag) {
   EXPECT_NE(NodeUsage().find("--memory"), std::string::npos);
 }
 
+// The GPU tier exists (store/cuda_memory.cc): the usage offers it and says
+// what happens without a device, instead of calling it refused.
+TEST(FlagsTest, UsageOffersTheGpuTier) {
+  const std::string usage = NodeUsage();
+  EXPECT_NE(usage.find("gpu:INDEX:SIZE"), std::string::npos);
+  EXPECT_EQ(usage.find("no GPU tier"), std::string::npos) << usage;
+  EXPECT_EQ(usage.find("is refused"), std::string::npos) << usage;
+}
+
 TEST(FlagsTest, ReadsAConfigFile) {
   std::string path = ::testing::TempDir() + "/node.flags";
   {

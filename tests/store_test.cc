@@ -1531,6 +1531,96 @@ TEST(ArenaTest, ParsesMemorySpecsAndRefusesTheMissingGpuTier) {
       << arena.status();
 }
 
+// The store on a GPU arena (scripts/gpu-check.sh runs StoreGpuTest.* on the
+// GPU machine; without a device each case skips). Every read must equal the
+// same store's answer on a host arena, byte for byte: fp16 and raw, copied
+// and "in place" (which a GPU arena serves as copies), after deletes that
+// free pages for rewrites.
+class StoreGpuTest : public ::testing::TestWithParam<Codec> {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (CudaDeviceCount(&why) == 0) {
+      GTEST_SKIP() << "needs a CUDA device: " << why;
+    }
+  }
+  static std::unique_ptr<Store> Make(MemoryKind kind) {
+    StoreOptions options;
+    options.page_size = kPage;
+    auto arena = CreateArena({kind, 0, 8ull << 20});
+    EXPECT_TRUE(arena.ok()) << arena.status();
+    if (!arena.ok()) return nullptr;
+    EXPECT_EQ((*arena)->kind(), kind);
+    auto store = Store::Create(options, *std::move(arena));
+    EXPECT_TRUE(store.ok()) << store.status();
+    return store.ok() ? *std::move(store) : nullptr;
+  }
+  // Every block's bytes of a read of blocks [0, n), in order.
+  static std::vector<std::string> Read(Store* store, int n, ReadFormat format,
+                                       bool in_place) {
+    ReadOptions o = Copy(format);
+    if (in_place) o = InPlace(Leased(format, absl::Seconds(10)));
+    auto read = store->BeginRead("ns", Keys(0, n), o);
+    EXPECT_TRUE(read.ok()) << read.status();
+    std::vector<std::string> out;
+    if (!read.ok()) return out;
+    for (const ReadBlock& b : read->blocks) {
+      out.push_back(b.spans.empty() ? b.data : Concat(b));
+    }
+    if (read->lease_id != 0) {
+      EXPECT_TRUE(store->EndLease(read->lease_id).ok());
+    }
+    return out;
+  }
+};
+
+TEST_P(StoreGpuTest, ReadsEqualAHostArenasByteForByte) {
+  const int kBlocks = 24;
+  std::unique_ptr<Store> gpu = Make(MemoryKind::kGpu);
+  std::unique_ptr<Store> host = Make(MemoryKind::kHost);
+  ASSERT_TRUE(gpu && host);
+  for (Store* store : {gpu.get(), host.get()}) {
+    ASSERT_TRUE(store->RegisterNamespace(Config("ns", GetParam())).ok());
+    ASSERT_TRUE(WriteChain(store, "ns", 0, kBlocks).ok());
+    // Free some pages and write other blocks into them, then the originals.
+    ASSERT_TRUE(store->Delete("ns", Keys(4, 4)).ok());
+    ASSERT_TRUE(WriteChain(store, "ns", 100, 6).ok());
+    ASSERT_TRUE(WriteChain(store, "ns", 4, 4, Key(3)).ok());
+  }
+  for (ReadFormat format : {ReadFormat::kFp16, ReadFormat::kRaw}) {
+    for (bool in_place : {false, true}) {
+      std::vector<std::string> want =
+          Read(host.get(), kBlocks, format, in_place);
+      std::vector<std::string> got = Read(gpu.get(), kBlocks, format, in_place);
+      ASSERT_EQ(got.size(), static_cast<size_t>(kBlocks));
+      ASSERT_EQ(want.size(), got.size());
+      for (int i = 0; i < kBlocks; ++i) {
+        EXPECT_EQ(got[i], want[i])
+            << "block " << i << (format == ReadFormat::kRaw ? " raw" : " fp16")
+            << (in_place ? " in place" : "");
+      }
+    }
+  }
+  // Codec none reads back exactly what was written.
+  if (GetParam() == Codec::kNone) {
+    std::vector<std::string> got =
+        Read(gpu.get(), kBlocks, ReadFormat::kFp16, false);
+    for (int i = 0; i < kBlocks && i < static_cast<int>(got.size()); ++i) {
+      std::vector<uint16_t> block = RandomBlock(SmallShape(), i);
+      ASSERT_EQ(got[i].size(), block.size() * 2);
+      EXPECT_EQ(std::memcmp(got[i].data(), block.data(), got[i].size()), 0)
+          << "block " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Codecs, StoreGpuTest,
+                         ::testing::Values(Codec::kNone, Codec::kFp8E4M3,
+                                           Codec::kKivi2, Codec::kKivi4),
+                         [](const auto& info) {
+                           return std::string(kernels::CodecName(info.param));
+                         });
+
 // Pages of [base, base + bytes) that are resident, by mincore.
 uint64_t ResidentPages(const uint8_t* base, uint64_t bytes) {
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
