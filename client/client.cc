@@ -339,6 +339,7 @@ ucx::NodeAddress Client::Impl::Resolve(const v1::DataPlaneInfo& info) const {
   address.bounded_reads = info.bounded_reads();
   address.pull_writes = info.pull_writes();
   address.message_reads = info.message_reads();
+  address.sequenced_data = info.sequenced_data();
   address.tcp_segments.tx_bytes = info.tcp_tx_seg_bytes();
   address.tcp_segments.rx_bytes = info.tcp_rx_seg_bytes();
   return address;

@@ -10,7 +10,8 @@
 #               not reach is a FAIL with CUDA's reason, never a skip)
 #   codecs      CUDA codecs bit for bit against the scalar reference
 #   device      the device client's tests (Put from and reads into GPU memory)
-#   store       the store on a GPU arena (StoreGpuTest.*)
+#   store       the store on a GPU arena (StoreGpu*: reads equal a host
+#               arena's; a host arena is not pinned at start)
 #   node        a node on --memory=gpu:0:SIZE, then on host memory, each
 #               under a real workload for every codec (kvcache-demo, and the
 #               prefill/decode examples for kivi2 and fp8) over gRPC, UCX
@@ -128,7 +129,7 @@ fi
 if want store; then
 echo "== store on a GPU arena"
 log=$logs/store.log
-timeout 120 "${X[@]}" "$B/bin/store_test" --gtest_filter='*StoreGpuTest.*' >"$log" 2>&1
+timeout 120 "${X[@]}" "$B/bin/store_test" --gtest_filter='*StoreGpu*' >"$log" 2>&1
 rc=$?
 if ((rc != 0)); then
   row store FAIL "exit $rc: $(gtest_counts "$log") (log $log)"

@@ -499,6 +499,7 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   DescribeDataPlane(shard, *token, response->mutable_data_plane());
   response->mutable_data_plane()->set_bounded_reads(true);
   response->mutable_data_plane()->set_message_reads(true);
+  response->mutable_data_plane()->set_sequenced_data(true);
   return absl::OkStatus();
 }
 

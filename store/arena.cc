@@ -23,15 +23,11 @@ namespace {
 // Owns one anonymous private mapping.
 class HostArena final : public Arena {
  public:
-  HostArena(void* base, uint64_t size, bool huge, bool pinned)
-      : base_(static_cast<uint8_t*>(base)),
-        size_(size),
-        huge_(huge),
-        pinned_(pinned) {}
+  HostArena(void* base, uint64_t size, bool huge)
+      : base_(static_cast<uint8_t*>(base)), size_(size), huge_(huge) {}
   ~HostArena() override {
     stop_prefault_.store(true, std::memory_order_relaxed);
     if (prefaulter_.joinable()) prefaulter_.join();
-    if (pinned_) internal::UnpinHostMemory(base_);
     munmap(base_, size_);
   }
   HostArena(const HostArena&) = delete;
@@ -41,8 +37,7 @@ class HostArena final : public Arena {
   MemoryKind kind() const override { return MemoryKind::kHost; }
   std::string Describe() const override {
     return absl::StrCat("host memory, ", size_, " bytes",
-                        huge_ ? ", transparent huge pages advised" : "",
-                        pinned_ ? ", pinned for CUDA" : "");
+                        huge_ ? ", transparent huge pages advised" : "");
   }
   absl::Status Write(uint64_t offset, const void* src, size_t n) override {
     std::memcpy(base_ + offset, src, n);
@@ -82,7 +77,6 @@ class HostArena final : public Arena {
   uint8_t* base_;
   uint64_t size_;
   bool huge_;
-  bool pinned_;
   std::atomic<bool> stop_prefault_{false};
   std::atomic<bool> prefaulted_{false};
   std::thread prefaulter_;  // joined before the mapping goes
@@ -172,11 +166,8 @@ absl::StatusOr<std::unique_ptr<Arena>> CreateArena(const MemorySpec& spec) {
         "cannot map ", spec.bytes, " bytes of host memory: ", strerror(errno)));
   }
   bool huge = madvise(base, spec.bytes, MADV_HUGEPAGE) == 0;
-  std::string why;
-  bool pinned =
-      CudaDeviceCount(&why) > 0 && internal::PinHostMemory(base, spec.bytes);
   return std::unique_ptr<Arena>(
-      std::make_unique<HostArena>(base, spec.bytes, huge, pinned));
+      std::make_unique<HostArena>(base, spec.bytes, huge));
 }
 
 }  // namespace kvcache::store

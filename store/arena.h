@@ -3,9 +3,10 @@
 // Contract: an Arena owns its region for its whole lifetime and never moves
 // it. Bytes move in and out only through Write/Read, so the store works the
 // same over host memory and over GPU memory it cannot address directly.
-//  * host:SIZE — one anonymous mapping, transparent huge pages advised, and
-//    pinned with cudaHostRegister when the build has CUDA and a device
-//    exists (so device copies and future GPU codecs run at full speed).
+//  * host:SIZE — one anonymous mapping, transparent huge pages advised.
+//    It is never pinned for CUDA: nothing on the node copies between it
+//    and a device, and pinning all of it at start (cudaHostRegister) would
+//    lock the whole pool in memory and take seconds per tens of GiB.
 //    StartPrefault faults it in on a background thread, so that the first
 //    writes into it do not pay the kernel's page faults.
 //  * gpu:INDEX:SIZE — cudaMalloc on that device; Write/Read are synchronous

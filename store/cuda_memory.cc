@@ -74,12 +74,6 @@ absl::StatusOr<std::unique_ptr<Arena>> CreateDeviceArena(int device,
       std::make_unique<DeviceArena>(device, base, bytes));
 }
 
-bool PinHostMemory(void* base, uint64_t bytes) {
-  return cudaHostRegister(base, bytes, cudaHostRegisterDefault) == cudaSuccess;
-}
-
-void UnpinHostMemory(void* base) { cudaHostUnregister(base); }
-
 }  // namespace internal
 
 int CudaDeviceCount(std::string* why) {

@@ -1,6 +1,6 @@
-// The store's CUDA edge: device discovery, the device arena and host-memory
-// pinning. cudaError_t becomes absl::Status here and nowhere else. In a build
-// without CUDA these report "built without CUDA" (no device, nothing pinned).
+// The store's CUDA edge: device discovery and the device arena. cudaError_t
+// becomes absl::Status here and nowhere else. In a build without CUDA these
+// report "built without CUDA" (no device, nothing pinned).
 #ifndef KVCACHE_STORE_CUDA_MEMORY_H_
 #define KVCACHE_STORE_CUDA_MEMORY_H_
 
@@ -16,9 +16,6 @@ namespace kvcache::store::internal {
 // cudaMalloc of `bytes` on `device`, owned by the returned Arena.
 absl::StatusOr<std::unique_ptr<Arena>> CreateDeviceArena(int device,
                                                          uint64_t bytes);
-// cudaHostRegister / cudaHostUnregister; false when pinning failed.
-bool PinHostMemory(void* base, uint64_t bytes);
-void UnpinHostMemory(void* base);
 
 }  // namespace kvcache::store::internal
 

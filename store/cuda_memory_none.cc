@@ -1,4 +1,4 @@
-// The CUDA edge of a build without CUDA: no device, nothing to pin.
+// The CUDA edge of a build without CUDA: no device.
 #include "store/cuda_memory.h"
 
 namespace kvcache::store {
@@ -10,9 +10,6 @@ absl::StatusOr<std::unique_ptr<Arena>> CreateDeviceArena(int device,
       "this kvcache-node was built without CUDA (KVCACHE_CUDA=OFF or no "
       "nvcc): no GPU memory tier");
 }
-
-bool PinHostMemory(void* base, uint64_t bytes) { return false; }
-void UnpinHostMemory(void* base) {}
 
 }  // namespace internal
 

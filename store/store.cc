@@ -365,9 +365,11 @@ Store::Store(const StoreOptions& options, std::unique_ptr<Arena> arena)
 
 Store::~Store() = default;
 
-void Store::SetReadExecutor(Executor executor, int helpers) {
+void Store::SetReadExecutor(Executor executor, int helpers,
+                            uint64_t min_bytes) {
   read_executor_ = std::move(executor);
   read_helpers_ = helpers;
+  read_parallel_bytes_ = min_bytes;
 }
 
 void Store::SetQuantizeObserver(QuantizeObserver observer) {
@@ -1538,12 +1540,23 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
     absl::Status verified;
   };
   std::vector<Pending> pending(entries.size());
-  ParallelFor(entries.size(), read_executor_, read_helpers_, [&](size_t j) {
-    std::vector<uint8_t> stored;
+  // Helpers only where there is enough to share (SetReadExecutor).
+  const int helpers =
+      ns->info.encoded_block_bytes * entries.size() >= read_parallel_bytes_
+          ? read_helpers_
+          : 0;
+  ParallelFor(entries.size(), read_executor_, helpers, [&](size_t j) {
+    // Decode scratch per thread and reused (a fresh buffer per block is
+    // fresh memory per block); not kept above kKeptScratchBytes.
+    constexpr size_t kKeptScratchBytes = size_t{32} << 20;
+    static thread_local std::vector<uint8_t> stored;
     pending[j].block.key = keys[positions[j]];
     pending[j].status =
         ReadPinnedBlock(*ns, *entries[j], options, &stored, &pending[j].block,
                         &pending[j].verified);
+    if (stored.capacity() > kKeptScratchBytes) {
+      std::vector<uint8_t>().swap(stored);
+    }
   });
   absl::Status status;
   for (size_t j = 0; j < entries.size() && status.ok(); ++j) {

@@ -292,8 +292,11 @@ class Store {
   // Set before the store is shared between threads: BeginRead verifies
   // (and decodes) its blocks on the calling thread and on up to `helpers`
   // tasks of `executor` at once (base/parallel_for.h; the caller may itself
-  // be one of its tasks). Without it, on the calling thread alone.
-  void SetReadExecutor(Executor executor, int helpers);
+  // be one of its tasks), when the read holds at least `min_bytes` of
+  // stored payload: below that a helper's wake-up costs about what the
+  // checksums do. Without it, on the calling thread alone.
+  void SetReadExecutor(Executor executor, int helpers,
+                       uint64_t min_bytes = uint64_t{1} << 20);
 
   // INVALID_ARGUMENT: bad name, shape, codec policy or owner.
   // FAILED_PRECONDITION: the name exists with a different layout or policy.
@@ -531,6 +534,7 @@ class Store {
   QuantizeObserver quantize_observer_;
   Executor read_executor_;
   int read_helpers_ = 0;
+  uint64_t read_parallel_bytes_ = 0;
 
   mutable Mutex ns_mu_;
   // max_namespaces slots. A slot is written under ns_mu_ before any block

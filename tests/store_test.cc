@@ -278,7 +278,7 @@ TEST(StoreTest, ReadsOnTheReadExecutorAnswerAsOnOneThread) {
       [&](std::function<void()> work) {
         threads.emplace_back(std::move(work));
       },
-      3);
+      3, /*min_bytes=*/0);
   for (Store* store : {parallel.get(), serial.get()}) {
     for (Codec codec : {Codec::kFp8E4M3, Codec::kNone}) {
       const std::string ns(kernels::CodecName(codec));
@@ -324,6 +324,30 @@ TEST(StoreTest, ReadsOnTheReadExecutorAnswerAsOnOneThread) {
     EXPECT_EQ(s.pinned_bytes, 0u);
   }
   EXPECT_FALSE(threads.empty()) << "no helper was scheduled";
+  for (std::thread& t : threads) t.join();
+}
+
+// Small reads stay on the calling thread: by default helpers start only for
+// reads of at least 1 MiB of stored payload.
+TEST(StoreTest, SmallReadsScheduleNoHelper) {
+  std::atomic<int> scheduled{0};
+  std::vector<std::thread> threads;
+  auto store = MakeStore(8 << 20);
+  store->SetReadExecutor(
+      [&](std::function<void()> work) {
+        ++scheduled;
+        threads.emplace_back(std::move(work));
+      },
+      3);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  // SmallShape: 16 KiB per block. 16 blocks: 256 KiB; 64 blocks: 1 MiB.
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 64).ok());
+  ASSERT_TRUE(
+      store->BeginRead("ns", Keys(0, 16), Copy(ReadFormat::kFp16)).ok());
+  EXPECT_EQ(scheduled.load(), 0);
+  ASSERT_TRUE(
+      store->BeginRead("ns", Keys(0, 64), Copy(ReadFormat::kFp16)).ok());
+  EXPECT_GT(scheduled.load(), 0);
   for (std::thread& t : threads) t.join();
 }
 
@@ -1612,6 +1636,20 @@ TEST_P(StoreGpuTest, ReadsEqualAHostArenasByteForByte) {
           << "block " << i;
     }
   }
+}
+
+// On a machine with a GPU the host arena is not pinned whole at start (that
+// locked the whole pool and took seconds per tens of GiB; nothing on the
+// node copies between the host arena and a device).
+TEST(StoreGpuArenaTest, AHostArenaIsNotPinnedAtStart) {
+  std::string why;
+  if (CudaDeviceCount(&why) == 0) {
+    GTEST_SKIP() << "needs a CUDA device: " << why;
+  }
+  auto arena = CreateArena({MemoryKind::kHost, 0, 64ull << 20});
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  EXPECT_EQ((*arena)->Describe().find("pinned"), std::string::npos)
+      << (*arena)->Describe();
 }
 
 INSTANTIATE_TEST_SUITE_P(Codecs, StoreGpuTest,

@@ -913,12 +913,13 @@ class FakeNode {
   }
   const std::string& address() const { return address_; }
   // How a client plane reaches this fake node: by its worker address, with
-  // data messages accepted.
-  ucx::NodeAddress NodeAddress() const {
+  // data messages accepted (numbered by the node when `sequenced`).
+  ucx::NodeAddress NodeAddress(bool sequenced = false) const {
     ucx::NodeAddress a;
     a.listener = "127.0.0.1:1";  // unused: the worker address is set
     a.worker = address_;
     a.message_reads = true;
+    a.sequenced_data = sequenced;
     return a;
   }
 
@@ -940,14 +941,21 @@ class FakeNode {
         },
         [](absl::Status) {}, std::move(header));
   }
+  // `sequence` >= 0: the message's place in the send order, for a read
+  // that asked for it (kReadFlagSequenced).
   static void SendData(ucp_ep_h ep, const ucx::ReadStartHeader& h,
                        uint32_t block, uint64_t offset, const void* data,
-                       size_t length) {
+                       size_t length, int64_t sequence = -1) {
     ucx::ReadDataHeader d;
     d.read_id = h.read_id;
     d.token = h.token;
     d.block = block;
     d.offset = offset;
+    if (sequence >= 0) {
+      EXPECT_NE(h.flags & ucx::kReadFlagSequenced, 0);
+      d.has_sequence = true;
+      d.sequence = static_cast<uint32_t>(sequence);
+    }
     Send(ep, ucx::kAmReadData, ucx::Encode(d), data, length);
   }
   static void SendStatus(ucp_ep_h ep, const ucx::ReadStartHeader& h,
@@ -1348,6 +1356,69 @@ TEST_P(UcxTest, ALayerIsReportedOnlyOnceTheMessagesBeforeItHaveLanded) {
       << "layer 1 was reported before its bytes landed";
   ASSERT_TRUE((*read)->WaitLayers(2, absl::Now() + absl::Seconds(10)).ok());
   EXPECT_TRUE(std::equal(data, data + 1024, shared->data() + kLayer));
+  read->reset();
+}
+
+// A layer is reported only once the data messages the node sent before its
+// status have landed, whatever order they arrive in: if a later message
+// (layer 2's) overtakes an earlier one (layer 1's), counting arrivals would
+// report layer 1 with its bytes missing. The fake node sends layer 2's
+// piece (numbered 1 in its send order), then layer 1's status, and layer
+// 1's piece (numbered 0) only 300 ms later. A number that repeats one the
+// read already has fails the read.
+TEST_P(UcxTest,
+       ALayerWaitsForTheMessagesSentBeforeItInWhateverOrderTheyArrive) {
+  if (!GetParam().tcp() || GetParam().delivery != ucx::ReadDelivery::kAuto) {
+    GTEST_SKIP() << "data messages are a tcp read's delivery";
+  }
+  FakeNode fake;
+  ASSERT_FALSE(fake.address().empty());
+  auto plane = ucx::ClientPlane::Create();
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  constexpr size_t kLayer = 4096;
+  static std::vector<uint8_t> payload(2 * kLayer);
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = i * 29 + 11;
+  const uint8_t* data = payload.data();
+  fake.set_on_read([&fake, data](ucp_ep_h ep, const ucx::ReadStartHeader& h) {
+    // Node order: layer 1's piece (message 0), status 1, layer 2's piece
+    // (message 1), status 2. Delivered: message 1 first.
+    FakeNode::SendData(ep, h, 0, kLayer, data + kLayer, kLayer, 1);
+    FakeNode::SendStatus(ep, h, 1, 1, 2);
+    fake.Post([ep, h, data] {
+      absl::SleepFor(absl::Milliseconds(300));
+      FakeNode::SendData(ep, h, 0, 0, data, kLayer, 0);
+      FakeNode::SendStatus(ep, h, 2, 2, 2);
+    });
+  });
+  auto region = (*plane)->Allocate(2 * kLayer);
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::shared_ptr<ucx::MemoryRegion> shared = *std::move(region);
+  std::memset(shared->data(), 0, shared->size());
+  const uint64_t base = reinterpret_cast<uint64_t>(shared->data());
+  auto read = (*plane)->StartRead(fake.NodeAddress(/*sequenced=*/true), 9,
+                                  *ucx::NewToken(), shared, {base}, 2,
+                                  /*per_layer=*/true);
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_TRUE((*read)->WaitLayers(1, absl::Now() + absl::Seconds(10)).ok());
+  EXPECT_TRUE(std::equal(data, data + kLayer, shared->data()))
+      << "layer 1 was reported before its bytes landed";
+  ASSERT_TRUE((*read)->WaitLayers(2, absl::Now() + absl::Seconds(10)).ok());
+  EXPECT_TRUE(std::equal(data, data + 2 * kLayer, shared->data()));
+  read->reset();
+
+  fake.set_on_read([data](ucp_ep_h ep, const ucx::ReadStartHeader& h) {
+    FakeNode::SendData(ep, h, 0, 0, data, kLayer, 0);
+    FakeNode::SendData(ep, h, 0, kLayer, data + kLayer, kLayer, 0);
+    FakeNode::SendStatus(ep, h, 2, 2, 2);
+  });
+  read = (*plane)->StartRead(fake.NodeAddress(/*sequenced=*/true), 10,
+                             *ucx::NewToken(), shared, {base}, 2,
+                             /*per_layer=*/true);
+  ASSERT_TRUE(read.ok()) << read.status();
+  const absl::Status twice =
+      (*read)->WaitLayers(2, absl::Now() + absl::Seconds(10));
+  EXPECT_EQ(twice.code(), absl::StatusCode::kInternal) << twice;
+  EXPECT_NE(twice.message().find("twice"), std::string::npos) << twice;
   read->reset();
 }
 

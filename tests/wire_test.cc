@@ -45,6 +45,20 @@ TEST(UcxWireTest, ReadStatusAndDataHeadersRoundTripAndRejectBadLengths) {
   EXPECT_EQ(data_back->read_id, 9u);
   EXPECT_EQ(data_back->block, 5u);
   EXPECT_EQ(data_back->offset, uint64_t{1} << 40);
+  EXPECT_FALSE(data_back->has_sequence);
+  // A sequenced read's data messages carry their place in the send order.
+  ucx::ReadDataHeader numbered = data;
+  numbered.has_sequence = true;
+  numbered.sequence = 70000;
+  const std::string sequenced = ucx::Encode(numbered);
+  EXPECT_EQ(sequenced.size(), encoded.size() + 4);
+  data_back = ucx::DecodeReadData(sequenced);
+  ASSERT_TRUE(data_back.ok()) << data_back.status();
+  EXPECT_TRUE(data_back->has_sequence);
+  EXPECT_EQ(data_back->sequence, 70000u);
+  EXPECT_EQ(data_back->block, 5u);
+  EXPECT_EQ(ucx::DecodeReadData(sequenced + "x").status().code(),
+            absl::StatusCode::kInvalidArgument);
 
   for (const std::string& bad :
        {plain.substr(0, plain.size() - 1), counted + "x", std::string()}) {

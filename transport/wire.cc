@@ -80,6 +80,7 @@ constexpr size_t kWritePullBytes =
 constexpr size_t kReadStatusBytes = kPrefixBytes + 8 + 16 + 4 + 4 + 4;
 constexpr size_t kReadStatusCountedBytes = kReadStatusBytes + 4;
 constexpr size_t kReadDataBytes = kPrefixBytes + 8 + 16 + 4 + 8;
+constexpr size_t kReadDataSequencedBytes = kReadDataBytes + 4;
 // Body parts: a kAmWritePull entry (index u32, address u64), a kAmReadStart
 // destination (u64) and the region's bounds (base, length: u64 each).
 constexpr uint64_t kWritePullEntryBytes = 4 + 8;
@@ -199,6 +200,7 @@ std::string Encode(const ReadDataHeader& h) {
   w.Bytes(h.token);
   w.U32(h.block);
   w.U64(h.offset);
+  if (h.has_sequence) w.U32(h.sequence);
   return w.Take();
 }
 
@@ -288,7 +290,10 @@ absl::StatusOr<ReadStatusHeader> DecodeReadStatus(absl::string_view bytes) {
 
 absl::StatusOr<ReadDataHeader> DecodeReadData(absl::string_view bytes) {
   Reader r(bytes);
-  if (absl::Status s = CheckPrefix(bytes, kReadDataBytes, kAmReadData, &r);
+  const bool sequenced = bytes.size() == kReadDataSequencedBytes;
+  if (absl::Status s = CheckPrefix(
+          bytes, sequenced ? kReadDataSequencedBytes : kReadDataBytes,
+          kAmReadData, &r);
       !s.ok()) {
     return s;
   }
@@ -297,6 +302,10 @@ absl::StatusOr<ReadDataHeader> DecodeReadData(absl::string_view bytes) {
   r.Bytes(&h.token);
   h.block = r.U32();
   h.offset = r.U64();
+  if (sequenced) {
+    h.has_sequence = true;
+    h.sequence = r.U32();
+  }
   return h;
 }
 

@@ -53,11 +53,21 @@
 //                  and block count. The statuses of such a read carry
 //                  `data_messages`, the number of kAmReadData messages sent
 //                  before them: the client applies a status only once the
-//                  first that many messages of the read have landed (in the
-//                  order they arrive, which on one connection is the order
-//                  they were sent), not merely that many: a later eager
-//                  piece lands while an earlier rendezvous one is still
-//                  being received.
+//                  first that many messages of the read have landed, not
+//                  merely that many (a later eager piece lands while an
+//                  earlier rendezvous one is still being received). "First"
+//                  is by `sequence`, the message's place in the node's send
+//                  order, which the node writes when the read asks for it
+//                  (kReadFlagSequenced, to nodes that offer
+//                  DataPlaneInfo.sequenced_data): then no assumption about
+//                  the order UCX delivers messages in is needed. Without
+//                  it (an older node) the client numbers messages as they
+//                  arrive, which holds only while they arrive in send order.
+//                  To a sequenced read the node sends a layer's status right
+//                  after the layer's messages (only the last one waits for
+//                  a flush); the client applies the statuses it holds in the
+//                  order they came. An unsequenced read gets every layer's
+//                  messages at once and each status after a flush.
 //
 // Invariants:
 //  * A token is 16 bytes from the kernel's CSPRNG (getrandom), issued by the
@@ -132,7 +142,8 @@ struct ReadStartHeader {
   uint32_t client_address_length = 0;
   // kReadFlagPerLayer: put layer by layer and report each layer (else whole
   // blocks, one report); kReadFlagBounded: the region's bounds follow;
-  // kReadFlagMessages: the client accepts kAmReadData in place of puts.
+  // kReadFlagMessages: the client accepts kAmReadData in place of puts;
+  // kReadFlagSequenced: and wants them numbered (ReadDataHeader::sequence).
   uint8_t flags = 0;
   // 0: the remote key is for this read only, and the node destroys it when
   // the read ends. Otherwise the id (unique within the client process) of
@@ -145,6 +156,7 @@ struct ReadStartHeader {
 inline constexpr uint8_t kReadFlagPerLayer = 1;
 inline constexpr uint8_t kReadFlagBounded = 2;
 inline constexpr uint8_t kReadFlagMessages = 4;
+inline constexpr uint8_t kReadFlagSequenced = 8;
 
 struct ReleaseBufferHeader {
   uint64_t buffer_id = 0;
@@ -169,6 +181,11 @@ struct ReadDataHeader {
   Token token{};
   uint32_t block = 0;   // index into the read's destinations
   uint64_t offset = 0;  // of the data within the block
+  // Reads with kReadFlagSequenced only (the header is 4 bytes longer then):
+  // this message's place among the read's data messages in the order the
+  // node sent them, from 0.
+  bool has_sequence = false;
+  uint32_t sequence = 0;
 };
 
 std::string Encode(const WriteBlockHeader& h);

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <future>
 #include <memory>
 #include <optional>
@@ -168,17 +169,20 @@ struct ClientPlane::ReadState {
   uint64_t region_size = 0;
   ucp_mem_h memh = nullptr;
   // Loop thread only: data messages that have landed, or are being received
-  // into the region; the latest status that waits for more to land (see
-  // ReadStatusHeader::data_messages); and the end that waits for receives
-  // to finish.
-  // Messages are numbered in the order they arrive (the order the node
-  // sent them); landed_prefix: how many leading ones have all landed;
-  // landed_later: those landed beyond it.
+  // into the region; the statuses that wait for more to land, in the order
+  // they came (see ReadStatusHeader::data_messages); and the end that waits
+  // for receives to finish.
+  // Messages are numbered in the node's send order: by their sequence when
+  // the read is `sequenced`, else in the order they arrive (which is the
+  // send order only while UCX delivers them in order). landed_prefix: how
+  // many leading ones have all landed; landed_later: those landed beyond it.
+  bool sequenced = false;
   uint32_t messages_arrived = 0;
+  absl::flat_hash_set<uint32_t> numbered_in_flight;  // being received
   uint32_t landed_prefix = 0;
   absl::btree_set<uint32_t> landed_later;
   uint32_t receiving = 0;
-  std::optional<ReadStatusHeader> waiting_status;
+  std::deque<ReadStatusHeader> waiting_statuses;
   std::optional<absl::Status> detach_when_received;
 
   Mutex mu;
@@ -558,9 +562,12 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   ReadStartHeader h;
   h.read_id = read_id;
   h.token = token;
-  h.flags = (per_layer ? kReadFlagPerLayer : 0) |
-            (address.bounded_reads ? kReadFlagBounded : 0) |
-            (address.message_reads ? kReadFlagMessages : 0);
+  h.flags =
+      (per_layer ? kReadFlagPerLayer : 0) |
+      (address.bounded_reads ? kReadFlagBounded : 0) |
+      (address.message_reads ? kReadFlagMessages : 0) |
+      (address.message_reads && address.sequenced_data ? kReadFlagSequenced
+                                                       : 0);
   h.buffer_id = buffer_id;
   ReadStartBody body;
   body.remote_key = *rkey;
@@ -575,6 +582,7 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   state->region_base = reinterpret_cast<uint64_t>(region->data());
   state->region_size = region->size();
   state->memh = region->memh();
+  state->sequenced = address.message_reads && address.sequenced_data;
   std::string token_bytes = TokenBytes(token);
   state->token = token_bytes;
   bool posted = loop_->Post([this, address, token_bytes, state,
@@ -639,9 +647,10 @@ ucs_status_t ClientPlane::OnReadStatus(
   if (state == nullptr) return UCS_OK;
   const absl::string_view message(static_cast<const char*>(data), length);
   if (h->code == 0 && h->has_data_messages &&
-      state->landed_prefix < h->data_messages) {
-    // Layers whose data is still landing: applied by DataLanded.
-    state->waiting_status = *h;
+      (state->landed_prefix < h->data_messages ||
+       !state->waiting_statuses.empty())) {
+    // Layers whose data is still landing: applied by DataLanded, in order.
+    state->waiting_statuses.push_back(*h);
     return UCS_OK;
   }
   absl::Status status;
@@ -687,13 +696,19 @@ ucs_status_t ClientPlane::OnReadData(
     return drop(UCS_ERR_INVALID_PARAM);
   }
   void* destination = reinterpret_cast<void*>(at);
-  const uint32_t index = state->messages_arrived++;
+  absl::StatusOr<uint32_t> numbered = self->NumberDataMessage(*state, *h);
+  if (!numbered.ok()) {
+    self->EndRead(token, 0, numbered.status());
+    return drop(UCS_ERR_INVALID_PARAM);
+  }
+  const uint32_t index = *numbered;
   if (!rendezvous) {
     std::memcpy(destination, data, length);
     self->DataLanded(state, index, absl::OkStatus());
     return UCS_OK;
   }
   ++state->receiving;
+  state->numbered_in_flight.insert(index);
   self->loop_->AddBusy(1);
   Operation::Start(
       Operation::Kind::kRecvAm,
@@ -710,9 +725,27 @@ ucs_status_t ClientPlane::OnReadData(
       [self, state, index](absl::Status status) {
         self->loop_->AddBusy(-1);
         --state->receiving;
+        state->numbered_in_flight.erase(index);
         self->DataLanded(state, index, status);
       });
   return UCS_OK;
+}
+
+absl::StatusOr<uint32_t> ClientPlane::NumberDataMessage(
+    ReadState& state, const ReadDataHeader& h) {
+  if (!state.sequenced) return state.messages_arrived++;
+  if (!h.has_sequence) {
+    return absl::InternalError(
+        "the node sent a data message without its sequence number to a read "
+        "that asked for them");
+  }
+  if (h.sequence < state.landed_prefix ||
+      state.landed_later.contains(h.sequence) ||
+      state.numbered_in_flight.contains(h.sequence)) {
+    return absl::InternalError(absl::StrCat("the node sent data message ",
+                                            h.sequence, " of the read twice"));
+  }
+  return h.sequence;
 }
 
 void ClientPlane::DataLanded(const std::shared_ptr<ReadState>& state,
@@ -735,15 +768,15 @@ void ClientPlane::DataLanded(const std::shared_ptr<ReadState>& state,
   } else {
     state->landed_later.insert(index);
   }
-  if (!state->waiting_status.has_value() ||
-      state->landed_prefix < state->waiting_status->data_messages) {
-    return;
-  }
-  const ReadStatusHeader h = *state->waiting_status;
-  state->waiting_status.reset();
-  if (h.layers_done >= h.num_layers) {
-    EndRead(state->token, h.layers_done, absl::OkStatus());
-  } else {
+  while (!state->waiting_statuses.empty() &&
+         state->landed_prefix >=
+             state->waiting_statuses.front().data_messages) {
+    const ReadStatusHeader h = state->waiting_statuses.front();
+    state->waiting_statuses.pop_front();
+    if (h.layers_done >= h.num_layers) {
+      EndRead(state->token, h.layers_done, absl::OkStatus());
+      return;  // the read is over
+    }
     state->Update(h.layers_done, false, absl::OkStatus());
   }
 }

@@ -61,6 +61,9 @@ struct NodeAddress {
   // The node can send read data as messages (DataPlaneInfo.message_reads):
   // reads accept them.
   bool message_reads = false;
+  // And numbers them in its send order (DataPlaneInfo.sequenced_data):
+  // reads ask for that (kReadFlagSequenced).
+  bool sequenced_data = false;
   // The node's UCX TCP segment sizes (DataPlaneInfo.tcp_*_seg_bytes; zero:
   // no TCP, or a node that does not say). A node whose sizes and this
   // process's would abort one side is not connected to: UNAVAILABLE.
@@ -172,8 +175,13 @@ class ClientPlane {
                                  const ucp_am_recv_param_t* param) noexcept;
   // The read named by `token` bytes, if it is in progress.
   std::shared_ptr<ReadState> FindRead(const std::string& token);
+  // The place of data message `h` of `state` in the node's send order: its
+  // sequence on a sequenced read (INTERNAL when it has none or repeats one
+  // already numbered), else its place among the arrivals so far.
+  static absl::StatusOr<uint32_t> NumberDataMessage(ReadState& state,
+                                                    const ReadDataHeader& h);
   // A data message of `state` has landed (or failed: `status`).
-  // `index`: the message's place in the order the read's messages arrived.
+  // `index`: its number from NumberDataMessage.
   void DataLanded(const std::shared_ptr<ReadState>& state, uint32_t index,
                   const absl::Status& status);
   // Ends `state` once none of its data messages is still being received

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -97,46 +99,121 @@ size_t Append(std::vector<uint8_t>& blob, const void* src, size_t bytes) {
   return at;
 }
 
-// Uploads the plan and the pointer arrays, runs `launch`, waits, and returns
-// the first non-finite key (~0 when none) for encodes.
+// A call's plan and pointer arrays, laid out for one upload, and where each
+// part lies in it.
+struct Blob {
+  std::vector<uint8_t> bytes;
+  size_t bad_at = 0, codec_at = 0, fp16s_at = 0, off_at = 0, scales_at = 0,
+         in_at = 0, out_at = 0;
+};
+
+Blob MakeBlob(const HostPlan& hp, const std::vector<uint16_t*>& fp16,
+              const std::vector<uint8_t*>& encoded) {
+  Blob b;
+  const unsigned long long none = ~0ull;
+  b.bad_at = Append(b.bytes, &none, sizeof(none));
+  b.codec_at = Append(b.bytes, hp.codec_sections.data(),
+                      hp.codec_sections.size() * sizeof(uint32_t));
+  b.fp16s_at = Append(b.bytes, hp.fp16_sections.data(),
+                      hp.fp16_sections.size() * sizeof(uint32_t));
+  b.off_at = Append(b.bytes, hp.out_offsets.data(),
+                    hp.out_offsets.size() * sizeof(uint64_t));
+  b.scales_at = Append(b.bytes, hp.static_scales.data(),
+                       hp.static_scales.size() * sizeof(float));
+  b.in_at = Append(b.bytes, fp16.data(), fp16.size() * sizeof(uint16_t*));
+  b.out_at = Append(b.bytes, encoded.data(), encoded.size() * sizeof(uint8_t*));
+  return b;
+}
+
+// The plan as the kernels see it once the blob is at device address `base`.
+internal::DevicePlan PlanAt(const HostPlan& hp, const Blob& b, uint8_t* base) {
+  internal::DevicePlan p = hp.plan;
+  p.first_bad = reinterpret_cast<unsigned long long*>(base + b.bad_at);
+  p.codec_sections = reinterpret_cast<const uint32_t*>(base + b.codec_at);
+  p.fp16_sections = reinterpret_cast<const uint32_t*>(base + b.fp16s_at);
+  p.out_offsets = reinterpret_cast<const uint64_t*>(base + b.off_at);
+  p.static_scales = hp.static_scales.empty()
+                        ? nullptr
+                        : reinterpret_cast<const float*>(base + b.scales_at);
+  return p;
+}
+
+// Per thread and device: device memory for a call's blob and the pinned
+// host memory it goes up from (and the non-finite flag comes back into),
+// grown as needed and kept, so that a warm call allocates nothing. Safe to
+// reuse call after call because Run waits for its stream before returning.
+class Workspace {
+ public:
+  Workspace() = default;
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  ~Workspace() {
+    // At thread exit; errors (a runtime already torn down) change nothing.
+    if (dev_ != nullptr) cudaFree(dev_);
+    if (host_ != nullptr) cudaFreeHost(host_);
+  }
+  // Room for `bytes` on both sides; INTERNAL when CUDA cannot allocate.
+  absl::Status Reserve(size_t bytes) {
+    if (bytes <= size_) return absl::OkStatus();
+    const size_t want = std::max(bytes, 2 * size_);
+    if (dev_ != nullptr) cudaFree(dev_);
+    if (host_ != nullptr) cudaFreeHost(host_);
+    dev_ = host_ = nullptr;
+    size_ = 0;
+    cudaError_t err = cudaMalloc(&dev_, want);
+    if (err != cudaSuccess) return CudaError(err, "cudaMalloc (codec plan)");
+    err = cudaMallocHost(&host_, want);
+    if (err != cudaSuccess) {
+      return CudaError(err, "cudaMallocHost (codec plan)");
+    }
+    size_ = want;
+    return absl::OkStatus();
+  }
+  uint8_t* dev() const { return static_cast<uint8_t*>(dev_); }
+  uint8_t* host() const { return static_cast<uint8_t*>(host_); }
+
+  // This thread's workspace for the current device.
+  static absl::StatusOr<Workspace*> ForThisThread() {
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return CudaError(err, "cudaGetDevice");
+    static thread_local std::map<int, std::unique_ptr<Workspace>> by_device;
+    std::unique_ptr<Workspace>& ws = by_device[device];
+    if (ws == nullptr) ws = std::make_unique<Workspace>();
+    return ws.get();
+  }
+
+ private:
+  void* dev_ = nullptr;
+  void* host_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Uploads the plan and the pointer arrays (from pinned memory into the
+// thread's workspace), runs `launch`, waits, and returns the first
+// non-finite key (~0 when none) for encodes.
 template <typename Launch>
 absl::Status Run(HostPlan& hp, const std::vector<uint16_t*>& fp16,
                  const std::vector<uint8_t*>& encoded, cudaStream_t stream,
                  Launch launch, unsigned long long* first_bad_out) {
-  std::vector<uint8_t> blob;
-  const unsigned long long none = ~0ull;
-  const size_t bad_at = Append(blob, &none, sizeof(none));
-  const size_t codec_at = Append(blob, hp.codec_sections.data(),
-                                 hp.codec_sections.size() * sizeof(uint32_t));
-  const size_t fp16s_at = Append(blob, hp.fp16_sections.data(),
-                                 hp.fp16_sections.size() * sizeof(uint32_t));
-  const size_t off_at = Append(blob, hp.out_offsets.data(),
-                               hp.out_offsets.size() * sizeof(uint64_t));
-  const size_t scales_at = Append(blob, hp.static_scales.data(),
-                                  hp.static_scales.size() * sizeof(float));
-  const size_t in_at =
-      Append(blob, fp16.data(), fp16.size() * sizeof(uint16_t*));
-  const size_t out_at =
-      Append(blob, encoded.data(), encoded.size() * sizeof(uint8_t*));
-
-  void* dev = nullptr;
-  cudaError_t err = cudaMallocAsync(&dev, blob.size(), stream);
-  if (err != cudaSuccess) return CudaError(err, "cudaMallocAsync");
-  auto* base = static_cast<uint8_t*>(dev);
-  err = cudaMemcpyAsync(dev, blob.data(), blob.size(), cudaMemcpyHostToDevice,
-                        stream);
+  const Blob blob = MakeBlob(hp, fp16, encoded);
+  absl::StatusOr<Workspace*> ws = Workspace::ForThisThread();
+  if (!ws.ok()) return ws.status();
+  if (absl::Status s = (*ws)->Reserve(blob.bytes.size()); !s.ok()) return s;
+  std::memcpy((*ws)->host(), blob.bytes.data(), blob.bytes.size());
+  uint8_t* base = (*ws)->dev();
+  cudaError_t err = cudaMemcpyAsync(base, (*ws)->host(), blob.bytes.size(),
+                                    cudaMemcpyHostToDevice, stream);
   absl::Status status = absl::OkStatus();
   if (err != cudaSuccess) status = CudaError(err, "cudaMemcpyAsync (plan)");
-  internal::DevicePlan p = hp.plan;
-  p.first_bad = reinterpret_cast<unsigned long long*>(base + bad_at);
-  p.codec_sections = reinterpret_cast<const uint32_t*>(base + codec_at);
-  p.fp16_sections = reinterpret_cast<const uint32_t*>(base + fp16s_at);
-  p.out_offsets = reinterpret_cast<const uint64_t*>(base + off_at);
-  p.static_scales = hp.static_scales.empty()
-                        ? nullptr
-                        : reinterpret_cast<const float*>(base + scales_at);
-  uint16_t* const* in_ptrs = reinterpret_cast<uint16_t* const*>(base + in_at);
-  uint8_t* const* out_ptrs = reinterpret_cast<uint8_t* const*>(base + out_at);
+  internal::DevicePlan p = PlanAt(hp, blob, base);
+  uint16_t* const* in_ptrs =
+      reinterpret_cast<uint16_t* const*>(base + blob.in_at);
+  uint8_t* const* out_ptrs =
+      reinterpret_cast<uint8_t* const*>(base + blob.out_at);
+  // The flag comes back into the pinned copy of itself.
+  auto* bad_host =
+      reinterpret_cast<unsigned long long*>((*ws)->host() + blob.bad_at);
   for (size_t b0 = 0; status.ok() && b0 < fp16.size();
        b0 += kMaxBlocksPerLaunch) {
     p.num_blocks =
@@ -151,14 +228,14 @@ absl::Status Run(HostPlan& hp, const std::vector<uint16_t*>& fp16,
       break;
     }
     if (first_bad_out != nullptr) {
-      unsigned long long bad = ~0ull;
-      err = cudaMemcpyAsync(&bad, p.first_bad, sizeof(bad),
+      err = cudaMemcpyAsync(bad_host, p.first_bad, sizeof(*bad_host),
                             cudaMemcpyDeviceToHost, stream);
       if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
       if (err != cudaSuccess) {
         status = CudaError(err, "reading the non-finite flag");
         break;
       }
+      const unsigned long long bad = *bad_host;
       if (bad != ~0ull) {
         const uint64_t block = bad >> internal::kBlockIndexShift;
         *first_bad_out = ((b0 + block) << internal::kBlockIndexShift) |
@@ -167,9 +244,6 @@ absl::Status Run(HostPlan& hp, const std::vector<uint16_t*>& fp16,
       }
     }
   }
-  err = cudaFreeAsync(dev, stream);
-  if (err != cudaSuccess && status.ok())
-    status = CudaError(err, "cudaFreeAsync");
   err = cudaStreamSynchronize(stream);
   if (err != cudaSuccess && status.ok()) {
     status = CudaError(err, "cudaStreamSynchronize");
@@ -286,6 +360,96 @@ absl::Status DecodeBlocksCuda(const BlockShape& shape,
   }
   return Run(hp, out, in, static_cast<cudaStream_t>(stream),
              &internal::LaunchDecode, nullptr);
+}
+
+struct CudaCodecBatch::Impl {
+  bool encode = true;
+  HostPlan hp;
+  size_t blocks = 0;
+  uint8_t* dev = nullptr;  // the blob: cudaMalloc, freed by ~Impl
+  Blob blob;
+  ~Impl() {
+    if (dev != nullptr) cudaFree(dev);
+  }
+};
+
+namespace {
+
+absl::StatusOr<std::unique_ptr<CudaCodecBatch::Impl>> Prepare(
+    bool encode, const BlockShape& shape, const CodecPolicy& policy,
+    const std::vector<uint16_t*>& fp16, const std::vector<uint8_t*>& coded) {
+  if (absl::Status st = ValidatePolicy(shape, policy); !st.ok()) return st;
+  if (absl::Status st = CheckSpans(fp16.size(), coded.size()); !st.ok()) {
+    return st;
+  }
+  auto impl = std::make_unique<CudaCodecBatch::Impl>();
+  impl->encode = encode;
+  impl->hp = MakePlan(shape, policy);
+  impl->blocks = fp16.size();
+  impl->blob = MakeBlob(impl->hp, fp16, coded);
+  void* dev = nullptr;
+  cudaError_t err = cudaMalloc(&dev, impl->blob.bytes.size());
+  if (err != cudaSuccess) return CudaError(err, "cudaMalloc (codec batch)");
+  impl->dev = static_cast<uint8_t*>(dev);
+  err = cudaMemcpy(dev, impl->blob.bytes.data(), impl->blob.bytes.size(),
+                   cudaMemcpyHostToDevice);
+  if (err != cudaSuccess) return CudaError(err, "cudaMemcpy (codec batch)");
+  return impl;
+}
+
+}  // namespace
+
+CudaCodecBatch::CudaCodecBatch(std::unique_ptr<Impl> impl)
+    : impl_(std::move(impl)) {}
+CudaCodecBatch::~CudaCodecBatch() = default;
+
+absl::StatusOr<std::unique_ptr<CudaCodecBatch>> CudaCodecBatch::Encode(
+    const BlockShape& shape, const CodecPolicy& policy,
+    absl::Span<const uint16_t* const> fp16_in,
+    absl::Span<uint8_t* const> encoded_out) {
+  std::vector<uint16_t*> in(fp16_in.size());
+  for (size_t i = 0; i < in.size(); ++i) {
+    in[i] = const_cast<uint16_t*>(fp16_in[i]);  // read only by the kernels
+  }
+  std::vector<uint8_t*> out(encoded_out.begin(), encoded_out.end());
+  absl::StatusOr<std::unique_ptr<Impl>> impl =
+      Prepare(true, shape, policy, in, out);
+  if (!impl.ok()) return impl.status();
+  return std::unique_ptr<CudaCodecBatch>(new CudaCodecBatch(*std::move(impl)));
+}
+
+absl::StatusOr<std::unique_ptr<CudaCodecBatch>> CudaCodecBatch::Decode(
+    const BlockShape& shape, const CodecPolicy& policy,
+    absl::Span<const uint8_t* const> encoded_in,
+    absl::Span<uint16_t* const> fp16_out) {
+  std::vector<uint16_t*> out(fp16_out.begin(), fp16_out.end());
+  std::vector<uint8_t*> in(encoded_in.size());
+  for (size_t i = 0; i < in.size(); ++i) {
+    in[i] = const_cast<uint8_t*>(encoded_in[i]);  // read only by the kernels
+  }
+  absl::StatusOr<std::unique_ptr<Impl>> impl =
+      Prepare(false, shape, policy, out, in);
+  if (!impl.ok()) return impl.status();
+  return std::unique_ptr<CudaCodecBatch>(new CudaCodecBatch(*std::move(impl)));
+}
+
+absl::Status CudaCodecBatch::Launch(void* stream) const {
+  internal::DevicePlan p = PlanAt(impl_->hp, impl_->blob, impl_->dev);
+  uint16_t* const* in_ptrs =
+      reinterpret_cast<uint16_t* const*>(impl_->dev + impl_->blob.in_at);
+  uint8_t* const* out_ptrs =
+      reinterpret_cast<uint8_t* const*>(impl_->dev + impl_->blob.out_at);
+  auto s = static_cast<cudaStream_t>(stream);
+  for (size_t b0 = 0; b0 < impl_->blocks; b0 += kMaxBlocksPerLaunch) {
+    p.num_blocks = static_cast<uint32_t>(
+        std::min(kMaxBlocksPerLaunch, impl_->blocks - b0));
+    p.fp16 = in_ptrs + b0;
+    p.encoded = out_ptrs + b0;
+    const cudaError_t err = impl_->encode ? internal::LaunchEncode(p, s)
+                                          : internal::LaunchDecode(p, s);
+    if (err != cudaSuccess) return CudaError(err, "kernel launch");
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvcache::kernels::cuda

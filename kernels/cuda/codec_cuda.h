@@ -10,9 +10,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kernels/codec.h"
 
@@ -43,6 +45,36 @@ absl::Status DecodeBlocksCuda(const BlockShape& shape,
                               absl::Span<const uint8_t* const> encoded_in,
                               absl::Span<uint16_t* const> fp16_out,
                               void* stream = nullptr);
+
+// A batch prepared once and launched many times (kvcache_gpu_bench times the
+// kernels alone with it): its plan and pointer arrays live in device memory
+// the object owns. Launch queues the batch's kernels on `stream` and returns
+// without waiting; once the stream has run them the outputs are those of
+// EncodeBlocksCuda / DecodeBlocksCuda, except that rejected input is not
+// reported. The pointers must stay valid while the object lives.
+class CudaCodecBatch {
+ public:
+  static absl::StatusOr<std::unique_ptr<CudaCodecBatch>> Encode(
+      const BlockShape& shape, const CodecPolicy& policy,
+      absl::Span<const uint16_t* const> fp16_in,
+      absl::Span<uint8_t* const> encoded_out);
+  static absl::StatusOr<std::unique_ptr<CudaCodecBatch>> Decode(
+      const BlockShape& shape, const CodecPolicy& policy,
+      absl::Span<const uint8_t* const> encoded_in,
+      absl::Span<uint16_t* const> fp16_out);
+  ~CudaCodecBatch();
+  CudaCodecBatch(const CudaCodecBatch&) = delete;
+  CudaCodecBatch& operator=(const CudaCodecBatch&) = delete;
+
+  // INTERNAL when a launch fails.
+  absl::Status Launch(void* stream = nullptr) const;
+
+  struct Impl;  // opaque: defined in codec_cuda.cc
+
+ private:
+  explicit CudaCodecBatch(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace kvcache::kernels::cuda
 

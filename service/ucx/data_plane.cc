@@ -27,6 +27,14 @@ namespace {
 // Long-lived client buffer keys kept per connection (ReadStartHeader).
 constexpr size_t kMaxBufferKeys = 64;
 
+// How much of a read may be in flight at once (StartPuts): slices (layers)
+// are posted while fewer than kMinSlicesInFlight of them, or fewer than
+// kBytesInFlight bytes of them, are unfinished. Two slices keep the
+// connection busy while one completes; the bytes bound keeps small slices
+// from paying a round trip each.
+constexpr uint32_t kMinSlicesInFlight = 2;
+constexpr uint64_t kBytesInFlight = 8ull << 20;
+
 bool IsWildcardHost(absl::string_view host) {
   return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]";
 }
@@ -105,9 +113,21 @@ struct DataPlane::ReadSession {
   uint64_t conn_id = 0;           // guarded by DataPlane::mu_
   // Loop thread only, while transferring.
   std::shared_ptr<RemoteKey> rkey;
+  // How the blocks go (StartPuts): to one address per block, over the
+  // connection send_conn, slice by slice (PostNextSlices).
+  uint64_t send_conn = 0;
+  std::vector<uint64_t> remote;
+  bool by_messages = false;
+  uint32_t slices = 1;  // per layer: num_layers
+  uint32_t slices_posted = 0;
+  std::vector<uint32_t> slice_sends;  // per slice: its sends in flight
+  std::vector<uint64_t> slice_bytes;  // per slice: the bytes it sends
+  uint32_t slices_in_flight = 0;      // posted, with sends in flight
+  uint64_t bytes_in_flight = 0;       // theirs
   uint32_t outstanding = 0;  // puts, flushes and status sends in flight
   uint32_t layers_done = 0;
   uint32_t data_messages = 0;  // kAmReadData messages issued
+  bool sequenced = false;      // numbered for the client (kReadFlagSequenced)
   absl::Status error;
   bool finished = false;
 };
@@ -1010,8 +1030,8 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
     return;
   }
   const size_t blocks = session->result.blocks.size();
-  if ((h->flags &
-       ~(kReadFlagPerLayer | kReadFlagBounded | kReadFlagMessages)) != 0) {
+  if ((h->flags & ~(kReadFlagPerLayer | kReadFlagBounded | kReadFlagMessages |
+                    kReadFlagSequenced)) != 0) {
     FinishRead(session, absl::InvalidArgumentError(absl::StrCat(
                             "read request with unknown flags ", h->flags)));
     return;
@@ -1066,6 +1086,7 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
                            options_.read_delivery == ReadDelivery::kAuto &&
                            !PutsAreNative(conn, *session->rkey, remote[0]);
   if (by_messages) message_reads_.fetch_add(1);
+  session->sequenced = (h->flags & kReadFlagSequenced) != 0;
   StartPuts(session, conn, std::move(remote),
             (h->flags & kReadFlagPerLayer) != 0, by_messages);
 }
@@ -1095,27 +1116,84 @@ bool DataPlane::PutsAreNative(Connection* conn, const RemoteKey& rkey,
 void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
                           Connection* conn, std::vector<uint64_t> remote,
                           bool per_layer, bool by_messages) {
-  const uint64_t conn_id = conn->id;
-  const ucp_ep_h ep = conn->out().get();
+  session->send_conn = conn->id;
+  session->remote = std::move(remote);
+  session->by_messages = by_messages;
+  // Per layer: slice l of every block, then a report. Whole blocks: one
+  // slice per block, one report.
+  session->slices = per_layer ? session->num_layers : 1;
+  session->slice_sends.assign(session->slices, 0);
+  session->slice_bytes.assign(session->slices, 0);
+  PostNextSlices(session);
+}
+
+void DataPlane::PostNextSlices(const std::shared_ptr<ReadSession>& session) {
+  // A client that numbers data messages as they arrive (no
+  // kReadFlagSequenced) gets them all at once, as before windowing: the
+  // window interleaves layers' messages with their flushes more finely,
+  // and a read so sent was seen reported early (1 run in 60 under load).
+  const bool window = !session->by_messages || session->sequenced;
+  while (!session->finished && session->slices_posted < session->slices &&
+         (!window || session->slices_in_flight < kMinSlicesInFlight ||
+          session->bytes_in_flight < kBytesInFlight)) {
+    PostNextSlice(session);
+  }
+}
+
+void DataPlane::SliceSent(const std::shared_ptr<ReadSession>& session,
+                          uint32_t slice) {
+  if (--session->slice_sends[slice] > 0) return;
+  --session->slices_in_flight;
+  session->bytes_in_flight -= session->slice_bytes[slice];
+  PostNextSlices(session);
+}
+
+void DataPlane::PostNextSlice(const std::shared_ptr<ReadSession>& session) {
+  if (!session->error.ok()) {
+    // A failed send: the slices after it will not go, so their report
+    // will not come.
+    FinishRead(session, session->error);
+    return;
+  }
+  auto conn = connections_.find(session->send_conn);
+  if (conn == connections_.end()) {
+    FinishRead(session, absl::UnavailableError("the connection closed"));
+    return;
+  }
+  const uint32_t slice = session->slices_posted++;
+  // Held while posting, so that sends completing at once cannot end the
+  // slice (and post the next one, and its report) before this one's.
+  ++session->slice_sends[slice];
+  ++session->slices_in_flight;
+  PostSlice(session, *conn->second, slice);
+  session->bytes_in_flight += session->slice_bytes[slice];
+  SliceSent(session, slice);
+}
+
+void DataPlane::PostSlice(const std::shared_ptr<ReadSession>& session,
+                          Connection& conn, uint32_t slice) {
+  const uint64_t conn_id = conn.id;
+  const ucp_ep_h ep = conn.out().get();
   const ucp_rkey_h rkey = session->rkey->get();
   const uint32_t num_layers = session->num_layers;
-  // Per layer: slice l of every block, then a flush and a report. Whole
-  // blocks: one slice per block, one flush, one report. A block whose
-  // layers are not separable goes whole with the first slice.
-  const uint32_t slices = per_layer ? num_layers : 1;
-  auto track = [this, session](absl::Status status) {
+  const bool per_layer = session->slices > 1;
+  const bool by_messages = session->by_messages;
+  auto track = [this, session, slice](absl::Status status) {
     loop_->AddBusy(-1);
     --session->outstanding;
     if (!status.ok() && session->error.ok()) session->error = status;
+    SliceSent(session, slice);
     ReleaseIfIdle(*session);
   };
   // Piece [start, start + length) of block b, from src.
   auto put = [&](const uint8_t* src, uint64_t length, size_t b,
                  uint64_t start) {
     ++session->outstanding;
+    ++session->slice_sends[slice];
+    session->slice_bytes[slice] += length;
     loop_->AddBusy(1);
     if (!by_messages) {
-      const uint64_t dst = remote[b] + start;
+      const uint64_t dst = session->remote[b] + start;
       Operation::Start(
           Operation::Kind::kSend,
           [ep, rkey, src, length, dst](const ucp_request_param_t& param,
@@ -1130,7 +1208,8 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
     h.token = session->token;
     h.block = static_cast<uint32_t>(b);
     h.offset = start;
-    ++session->data_messages;
+    h.has_sequence = session->sequenced;
+    h.sequence = session->data_messages++;
     Operation::Start(
         Operation::Kind::kSend,
         [ep, src, length](const ucp_request_param_t& param,
@@ -1146,67 +1225,74 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
         },
         track, Encode(h));
   };
-  for (uint32_t slice = 0; slice < slices; ++slice) {
-    for (size_t b = 0; b < session->result.blocks.size(); ++b) {
-      const store::ReadBlock& block = session->result.blocks[b];
-      const uint64_t size = block.size();
-      const std::vector<uint64_t>& ends = session->layer_ends[b];
-      uint64_t start = 0;
-      uint64_t end = size;
-      if (per_layer && ends.size() == num_layers) {
-        start = slice == 0 ? 0 : ends[slice - 1];
-        end = ends[slice];
-      } else if (slice > 0) {
-        continue;  // sent whole with slice 0
-      }
-      if (end <= start || end > size) continue;
-      if (block.spans.empty()) {
-        put(reinterpret_cast<const uint8_t*>(block.data.data()) + start,
-            end - start, b, start);
-        continue;
-      }
-      // In place: the slice may cross page runs; one put per piece, straight
-      // from the pinned arena pages.
-      uint64_t at = 0;
-      for (absl::Span<const uint8_t> span : block.spans) {
-        const uint64_t lo = std::max(start, at);
-        const uint64_t hi = std::min(end, at + span.size());
-        if (lo < hi) put(span.data() + (lo - at), hi - lo, b, lo);
-        at += span.size();
-        if (at >= end) break;
-      }
+  for (size_t b = 0; b < session->result.blocks.size(); ++b) {
+    const store::ReadBlock& block = session->result.blocks[b];
+    const uint64_t size = block.size();
+    const std::vector<uint64_t>& ends = session->layer_ends[b];
+    uint64_t start = 0;
+    uint64_t end = size;
+    if (per_layer && ends.size() == num_layers) {
+      start = slice == 0 ? 0 : ends[slice - 1];
+      end = ends[slice];
+    } else if (slice > 0) {
+      continue;  // a block whose layers are not separable went whole
     }
-    // The flush completes once every put issued so far is in the client's
-    // memory; then the client hears that these layers are there.
-    const uint32_t layers_done = per_layer ? slice + 1 : num_layers;
-    std::optional<uint32_t> data_messages;
-    if (by_messages) data_messages = session->data_messages;
-    ++session->outstanding;
-    loop_->AddBusy(1);
-    Operation::Start(
-        Operation::Kind::kSend,
-        [ep](const ucp_request_param_t& param, absl::string_view) {
-          return ucp_ep_flush_nbx(ep, &param);
-        },
-        [this, session, conn_id, layers_done, num_layers,
-         data_messages](absl::Status status) {
-          loop_->AddBusy(-1);
-          --session->outstanding;
-          if (!status.ok() && session->error.ok()) session->error = status;
-          if (session->finished) {
-            ReleaseIfIdle(*session);
-            return;
-          }
-          if (!session->error.ok()) {
-            FinishRead(session, session->error);
-            return;
-          }
-          session->layers_done = layers_done;
-          SendReadStatus(conn_id, session->id, session->token, layers_done,
-                         num_layers, absl::OkStatus(), data_messages);
-          if (layers_done == num_layers) FinishRead(session, absl::OkStatus());
-        });
+    if (end <= start || end > size) continue;
+    if (block.spans.empty()) {
+      put(reinterpret_cast<const uint8_t*>(block.data.data()) + start,
+          end - start, b, start);
+      continue;
+    }
+    // In place: the slice may cross page runs; one put per piece, straight
+    // from the pinned arena pages.
+    uint64_t at = 0;
+    for (absl::Span<const uint8_t> span : block.spans) {
+      const uint64_t lo = std::max(start, at);
+      const uint64_t hi = std::min(end, at + span.size());
+      if (lo < hi) put(span.data() + (lo - at), hi - lo, b, lo);
+      at += span.size();
+      if (at >= end) break;
+    }
   }
+  const uint32_t layers_done = per_layer ? slice + 1 : num_layers;
+  std::optional<uint32_t> data_messages;
+  if (by_messages) data_messages = session->data_messages;
+  if (by_messages && session->sequenced && layers_done < num_layers) {
+    // Numbered data messages need no flush: the client applies a status
+    // once the messages sent before it have landed, by their sequence
+    // numbers. So a layer's status follows its messages at once.
+    session->layers_done = layers_done;
+    SendReadStatus(conn_id, session->id, session->token, layers_done,
+                   num_layers, absl::OkStatus(), data_messages);
+    return;
+  }
+  // The flush completes once every put issued so far is in the client's
+  // memory; then the client hears that these layers are there.
+  ++session->outstanding;
+  loop_->AddBusy(1);
+  Operation::Start(
+      Operation::Kind::kSend,
+      [ep](const ucp_request_param_t& param, absl::string_view) {
+        return ucp_ep_flush_nbx(ep, &param);
+      },
+      [this, session, conn_id, layers_done, num_layers,
+       data_messages](absl::Status status) {
+        loop_->AddBusy(-1);
+        --session->outstanding;
+        if (!status.ok() && session->error.ok()) session->error = status;
+        if (session->finished) {
+          ReleaseIfIdle(*session);
+          return;
+        }
+        if (!session->error.ok()) {
+          FinishRead(session, session->error);
+          return;
+        }
+        session->layers_done = layers_done;
+        SendReadStatus(conn_id, session->id, session->token, layers_done,
+                       num_layers, absl::OkStatus(), data_messages);
+        if (layers_done == num_layers) FinishRead(session, absl::OkStatus());
+      });
 }
 
 void DataPlane::SendReadStatus(uint64_t conn_id, uint64_t read_id,

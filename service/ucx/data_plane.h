@@ -25,7 +25,10 @@
 //    address and a token. The client registers its
 //    destination memory and sends ReadStart with the packed remote key and
 //    one address per block; the node puts the blocks there (layer by layer
-//    when asked), flushes, and reports each layer with ReadStatus. When the
+//    when asked), flushes, and reports each layer with ReadStatus (over
+//    numbered data messages, wire.h kAmReadData with kReadFlagSequenced, a
+//    layer's status follows its messages without a flush; the client holds
+//    it until the messages sent before it have landed). When the
 //    read ends (done, failed, or expired) and no put or data message of it
 //    is still in flight, the node destroys the remote key, ends the store
 //    lease and frees the copies. From ReadStart on, the store lease is held
@@ -340,10 +343,25 @@ class DataPlane {
   // endpoint is TCP, where UCX emulates puts with active messages.
   bool PutsAreNative(Connection* conn, const RemoteKey& rkey, uint64_t address);
   // Moves the read's blocks to `remote` (one address per block): puts, or
-  // kAmReadData messages when `by_messages`.
+  // kAmReadData messages when `by_messages`; per layer, a slice (layer l of
+  // every block) at a time, with few slices' sends in flight (see
+  // kBytesInFlight), so that a layer's bytes are not held up behind those
+  // of the layers after it (UCX shares a connection between the transfers
+  // posted on it).
   void StartPuts(const std::shared_ptr<ReadSession>& session, Connection* conn,
                  std::vector<uint64_t> remote, bool per_layer,
                  bool by_messages);
+  // Posts slices while the in-flight bounds allow.
+  void PostNextSlices(const std::shared_ptr<ReadSession>& session);
+  // Posts the session's next slice: its sends and then its report (a
+  // status, or a flush that sends it); ends the read instead once a send
+  // has failed or the connection is gone.
+  void PostNextSlice(const std::shared_ptr<ReadSession>& session);
+  // A send of `slice` completed (or its posting ended): when it was the
+  // slice's last, the slice leaves the window and more may go.
+  void SliceSent(const std::shared_ptr<ReadSession>& session, uint32_t slice);
+  void PostSlice(const std::shared_ptr<ReadSession>& session, Connection& conn,
+                 uint32_t slice);
   void FinishRead(const std::shared_ptr<ReadSession>& session,
                   absl::Status status);
   // Once a finished read has no operation in flight: frees its key, copies

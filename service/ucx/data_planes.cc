@@ -96,6 +96,7 @@ DataPlane& DataPlanes::ForClient(absl::string_view client) {
 
 template <typename Has>
 DataPlane& DataPlanes::Holder(Has has) {
+  if (shards_.size() == 1) return *shards_[0];  // no lookup to pay for
   for (const std::unique_ptr<DataPlane>& shard : shards_) {
     if (has(*shard)) return *shard;
   }
