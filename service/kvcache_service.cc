@@ -452,12 +452,15 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
     uint32_t holder, ucx::DataPlane& shard, v1::BeginReadResponse* response) {
   // Staging for the verified copies the store hands over, reserved before
   // they exist: a raw block is at most its fp16 size (KIVI's residual
-  // window keeps some blocks fp16).
+  // window keeps some blocks fp16). A read that the store answers wholly in
+  // place copies nothing and needs none.
   absl::StatusOr<store::NamespaceInfo> ns =
       store_->GetNamespace(request->namespace_name());
   if (!ns.ok()) return ns.status();
   const uint64_t per_block =
-      std::max(ns->fp16_block_bytes, ns->encoded_block_bytes);
+      store_->ReadsInPlace(*ns, format)
+          ? 0
+          : std::max(ns->fp16_block_bytes, ns->encoded_block_bytes);
   absl::StatusOr<ucx::StagingReservation> reservation =
       data_plane_->ReserveStaging(per_block * request->keys_size());
   if (!reservation.ok()) return reservation.status();

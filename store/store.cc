@@ -1496,6 +1496,14 @@ absl::Status Store::ReadPinnedBlock(const Namespace& ns, const Entry& entry,
                      block->data.size() / 2));
 }
 
+bool Store::ReadsInPlace(const NamespaceInfo& ns, ReadFormat format) const {
+  // The same rule as ReadPinnedBlock's: a block in KIVI's residual window is
+  // stored fp16 (codec none) and so in place for either format.
+  return arena_->host_base() != nullptr &&
+         (format == ReadFormat::kRaw ||
+          ns.config.policy.codec == kernels::Codec::kNone);
+}
+
 absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
                                             absl::Span<const std::string> keys,
                                             const ReadOptions& options) {

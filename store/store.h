@@ -406,6 +406,13 @@ class Store {
 
   StoreStats Stats() const;
 
+  // Whether a read with ReadOptions::in_place (and keep_lease) of `format`
+  // from namespace `ns` answers every block in place, copying none: on a
+  // host arena, a raw read, or any read of a codec-none namespace (whose
+  // fp16 answer is its stored bytes). A data plane reserves staging for
+  // the copies it will hold by this.
+  bool ReadsInPlace(const NamespaceInfo& ns, ReadFormat format) const;
+
   // Ends every lease whose deadline is before `now`; returns how many.
   int ExpireLeases(absl::Time now);
 

@@ -25,6 +25,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -171,6 +172,7 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     address.bounded_reads = info.bounded_reads();
     address.pull_writes = info.pull_writes();
     address.message_reads = info.message_reads();
+    address.sequenced_data = info.sequenced_data();
     return address;
   }
 
@@ -1802,13 +1804,79 @@ TEST_P(UcxTest, FullStagingIsResourceExhaustedWithARetryHint) {
   ASSERT_TRUE(RetryAfterMs(full).has_value());
   EXPECT_GT(*RetryAfterMs(full), 0);
   ExpectNothingHeld(absl::Seconds(5));  // the store write was released too
-  // What fits, goes; reads beyond the bound are refused the same way.
-  ASSERT_TRUE(PutChain(client_.get(), "ns", SmallShape(), 0, 4).ok());
-  ASSERT_TRUE(PutChain(client_.get(), "ns", SmallShape(), 4, 4).ok());
-  absl::Status read_full = client_->Get("ns", Keys(0, 8)).status();
+  // What fits, goes; reads that need more copies than the bound (fp8
+  // blocks decoded on the node) are refused the same way.
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("fp8", Codec::kFp8E4M3, SmallShape()))
+          .ok());
+  ASSERT_TRUE(PutChain(client_.get(), "fp8", SmallShape(), 0, 4).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "fp8", SmallShape(), 4, 4).ok());
+  std::unique_ptr<Client> node_decodes =
+      NewClient(DataPlane::kUcx, /*decode_on_client=*/false);
+  absl::Status read_full = node_decodes->Get("fp8", Keys(0, 8)).status();
   EXPECT_EQ(read_full.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(RetryAfterMs(read_full).has_value());
-  EXPECT_TRUE(client_->Get("ns", Keys(0, 4)).ok());
+  EXPECT_TRUE(node_decodes->Get("fp8", Keys(0, 4)).ok());
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
+// Connecting logs no UCX error. Over shared memory no transport offers peer
+// failure handling: both sides ask for it first and fall back without it,
+// and UCX logged that first refusal as an ERROR on stdout, once per
+// connection, in every client process and in the node.
+TEST_P(UcxTest, ConnectingLogsNoUcxError) {
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("quiet", Codec::kNone, SmallShape()))
+          .ok());
+  std::fflush(stdout);
+  char path[] = "/tmp/ucx_log_XXXXXX";
+  const int capture = mkstemp(path);
+  ASSERT_GE(capture, 0);
+  const int saved = dup(STDOUT_FILENO);
+  ASSERT_GE(saved, 0);
+  ASSERT_GE(dup2(capture, STDOUT_FILENO), 0);
+  {
+    std::unique_ptr<Client> fresh = NewClient(DataPlane::kUcx);
+    absl::Status put =
+        PutChain(fresh.get(), "quiet", SmallShape(), 0, 2).status();
+    absl::Status get = fresh->Get("quiet", Keys(0, 2)).status();
+    std::fflush(stdout);
+    dup2(saved, STDOUT_FILENO);
+    EXPECT_TRUE(put.ok()) << put;
+    EXPECT_TRUE(get.ok()) << get;
+  }
+  close(saved);
+  close(capture);
+  std::ifstream in(path);
+  std::stringstream logged;
+  logged << in.rdbuf();
+  unlink(path);
+  EXPECT_EQ(logged.str().find("UCX  ERROR"), std::string::npos) << logged.str();
+}
+
+// A read the node answers wholly in place (codec none, or raw codes) sends
+// straight from the pinned arena pages and holds no staging, so it is not
+// refused for want of staging however large it is: here twice the bound.
+TEST_P(UcxTest, AReadAnsweredInPlaceNeedsNoStaging) {
+  StartNode(256ull << 20, 4 * kernels::Fp16BlockBytes(SmallShape()),
+            absl::Seconds(30));
+  for (Codec codec : {Codec::kNone, Codec::kFp8E4M3}) {
+    const std::string ns(kernels::CodecName(codec));
+    ASSERT_TRUE(client_->RegisterNamespace(Spec(ns, codec, SmallShape())).ok());
+    ASSERT_TRUE(PutChain(client_.get(), ns, SmallShape(), 0, 4).ok());
+    ASSERT_TRUE(PutChain(client_.get(), ns, SmallShape(), 4, 4).ok());
+    const ReadFormat format =
+        codec == Codec::kNone ? ReadFormat::kFp16 : ReadFormat::kRaw;
+    auto got = client_->Get(ns, Keys(0, 8), format);
+    ASSERT_TRUE(got.ok()) << ns << ": " << got.status();
+    auto want = grpc_client_->Get(ns, Keys(0, 8), format);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ASSERT_EQ(got->blocks.size(), 8u);
+    for (size_t i = 0; i < 8; ++i) {
+      EXPECT_EQ(got->blocks[i].bytes, want->blocks[i].bytes)
+          << ns << " block " << i;
+    }
+  }
   ExpectNothingHeld(absl::Seconds(5));
 }
 
@@ -2274,14 +2342,16 @@ TEST_P(UcxTest, ClientKilledMidTransferLeavesNothingAfterTheTtl) {
   for (const std::string mode : {"put", "get"}) {
     pid_t child = SpawnChild(mode, Target());
     ASSERT_GT(child, 0);
-    // Kill it while the node holds a session for it (bytes staged or
-    // reserved, a lease open).
+    // Kill it while the node holds a session for it: a write with bytes
+    // staged, or a read with its blocks pinned (a raw read is sent in place
+    // and holds no staging).
     absl::Time deadline = absl::Now() + absl::Seconds(30);
     bool caught = false;
     while (absl::Now() < deadline && !caught) {
       ucx::DataPlaneStats s = node_->data_plane()->Stats();
-      caught = s.staging_used_bytes > 0 &&
-               (mode == "put" ? s.write_sessions : s.read_sessions) > 0;
+      caught = mode == "put" ? s.staging_used_bytes > 0 && s.write_sessions > 0
+                             : s.read_sessions > 0 &&
+                                   node_->store()->Stats().pinned_bytes > 0;
       if (!caught) absl::SleepFor(absl::Microseconds(200));
     }
     kill(child, SIGKILL);

@@ -4,10 +4,13 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <ucs/debug/log_def.h>
 
+#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <utility>
 
 #include "absl/functional/function_ref.h"
@@ -292,6 +295,43 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::Connect(
   return absl::WrapUnique(new Endpoint(ep));
 }
 
+namespace {
+
+// ConnectToWorker asks for peer failure handling first and falls back
+// without it when no transport to the peer offers it (shared memory). UCX
+// logs that refusal as an ERROR on stdout, once per connection in every
+// process: on this thread, during that attempt, the expected message is
+// swallowed; every other message goes on to UCX's own handler.
+thread_local bool expecting_no_peer_transport = false;
+
+ucs_log_func_rc_t SwallowExpectedRefusal(const char*, unsigned, const char*,
+                                         ucs_log_level_t level,
+                                         const ucs_log_component_config_t*,
+                                         const char* format, va_list ap) {
+  if (!expecting_no_peer_transport || level != UCS_LOG_LEVEL_ERROR ||
+      format == nullptr) {
+    return UCS_LOG_FUNC_RC_CONTINUE;
+  }
+  char text[512];
+  va_list copy;
+  va_copy(copy, ap);
+  std::vsnprintf(text, sizeof(text), format, copy);
+  va_end(copy);
+  // "no active messages transport to <peer>: self/memory0 - no peer failure
+  // handler, ..."
+  return std::strstr(text, "no peer failure handler") != nullptr
+             ? UCS_LOG_FUNC_RC_STOP
+             : UCS_LOG_FUNC_RC_CONTINUE;
+}
+
+// UCX calls the handlers pushed last first.
+void InstallRefusalFilterOnce() {
+  static std::once_flag once;
+  std::call_once(once, [] { ucs_log_push_handler(&SwallowExpectedRefusal); });
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::ConnectToWorker(
     const Worker& worker, absl::string_view worker_address,
     EpErrorHandler on_error, void* arg, bool* peer_errors) {
@@ -315,7 +355,10 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::ConnectToWorker(
       params.err_handler.arg = arg;
     }
     ucp_ep_h ep = nullptr;
+    if (peer) InstallRefusalFilterOnce();
+    expecting_no_peer_transport = peer;
     ucs_status_t s = ucp_ep_create(worker.get(), &params, &ep);
+    expecting_no_peer_transport = false;
     if (s == UCS_OK) {
       *peer_errors = peer;
       return absl::WrapUnique(new Endpoint(ep));
