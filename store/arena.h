@@ -55,7 +55,8 @@ class Arena {
   // pages they own in place.
   virtual uint8_t* host_base() const { return nullptr; }
   // Makes the whole region resident in the background, without changing a
-  // byte of it (MADV_POPULATE_WRITE, 4 MiB at a time), and returns at
+  // byte of it (MADV_POPULATE_WRITE, 2 MiB at a time with a pause between,
+  // so that other threads can still change their mappings), and returns at
   // once; safe while the region is in use. The arena's destructor stops
   // and joins that work. Where the kernel cannot (before Linux 5.14, or
   // out of memory) it stops quietly, and pages fault in as they are first

@@ -1706,6 +1706,46 @@ TEST(ArenaTest, PrefaultMakesAHostArenaResidentAndChangesNoByte) {
   }
 }
 
+// The prefault leaves room for the process's other threads to change their
+// mappings: malloc grows and shrinks a thread's heap with mprotect, which
+// waits for the mmap lock. Back-to-back MADV_POPULATE_WRITE calls kept it
+// waiting until the whole arena was resident (a node started on 8 GiB
+// answered its first 16 MiB put after 17 s). Relative, not timed: the
+// slowest round of allocations must take well under the prefault's run.
+TEST(ArenaTest, ThePrefaultLetsOtherThreadsChangeTheirMappings) {
+  constexpr uint64_t kBytes = 4ull << 30;
+  auto arena = CreateArena({MemoryKind::kHost, 0, kBytes});
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  const absl::Time start = absl::Now();
+  (*arena)->StartPrefault();
+  // As a server thread receiving messages does: malloc grows and shrinks
+  // the thread's heap (mprotect) 16 KiB at a time.
+  absl::Duration slowest;
+  int rounds = 0;
+  std::thread worker([&] {
+    const absl::Time give_up = start + absl::Seconds(120);
+    while (!(*arena)->prefaulted() && absl::Now() < give_up) {
+      const absl::Time t = absl::Now();
+      std::vector<std::unique_ptr<uint8_t[]>> chunks;
+      for (int i = 0; i < 256; ++i) {
+        chunks.emplace_back(new uint8_t[16 << 10]);
+        chunks.back()[0] = 1;
+      }
+      chunks.clear();
+      slowest = std::max(slowest, absl::Now() - t);
+      ++rounds;
+    }
+  });
+  worker.join();
+  ASSERT_TRUE((*arena)->prefaulted());
+  const absl::Duration whole = absl::Now() - start;
+  if (whole < absl::Milliseconds(200)) {
+    GTEST_SKIP() << "the prefault took " << whole << ": too short to tell";
+  }
+  EXPECT_LT(slowest, whole / 4) << rounds << " rounds of 4 MiB, the slowest "
+                                << slowest << ", the prefault " << whole;
+}
+
 // An arena destroyed while its prefault runs stops and joins it.
 TEST(ArenaTest, AnArenaDestroyedMidPrefaultEndsIt) {
   auto arena = CreateArena({MemoryKind::kHost, 0, 1ull << 30});
