@@ -92,55 +92,49 @@ gpu_step() {
   return 1
 }
 
-if want codecs; then
-echo "== codecs: CUDA vs the scalar reference"
-log=$logs/codecs.log
-timeout 120 "${X[@]}" "$B/bin/kernels_cuda_test" >"$log" 2>&1
-rc=$?
-if ((rc != 0)); then
-  row codecs FAIL "exit $rc: $(gtest_counts "$log") (log $log)"
-elif ((gpu)) && grep -q '^\[  SKIPPED \] [0-9]' "$log"; then
-  row codecs FAIL "tests skipped with a device: $(gtest_counts "$log")"
-elif ((gpu)); then
-  row codecs PASS "$(gtest_counts "$log")"
-else
-  row codecs "no device" "$(gtest_counts "$log")"
-fi
+# gtest_gpu_step STEP TIMEOUT BINARY [ARGS]: a test binary whose every test
+# needs a device: with one, a skip is a failure; without, "no device".
+gtest_gpu_step() {
+  local step=$1 limit=$2 bin=$3 rc
+  shift 3
+  local log=$logs/$step.log
+  timeout "$limit" "${X[@]}" "$B/bin/$bin" "$@" >"$log" 2>&1
+  rc=$?
+  if ((rc != 0)); then
+    row "$step" FAIL "exit $rc: $(gtest_counts "$log") (log $log)"
+  elif ((gpu)) && grep -q '^\[  SKIPPED \] [0-9]' "$log"; then
+    row "$step" FAIL "tests skipped with a device: $(gtest_counts "$log")"
+  elif ((gpu)); then
+    row "$step" PASS "$(gtest_counts "$log")"
+  else
+    row "$step" "no device" "$(gtest_counts "$log")"
+  fi
+}
 
+if want codecs; then
+  echo "== codecs: CUDA vs the scalar reference"
+  gtest_gpu_step codecs 120 kernels_cuda_test
 fi
 
 if want device; then
-echo "== device client"
-log=$logs/device.log
-timeout 180 "${X[@]}" "$B/bin/device_client_test" >"$log" 2>&1
-rc=$?
-# With a device, the one test that may skip is the no-device path's.
-unexpected=$(grep -c 'needs a CUDA device' "$log")
-if ((rc != 0)); then
-  row device FAIL "exit $rc: $(gtest_counts "$log") (log $log)"
-elif ((gpu && unexpected > 0)); then
-  row device FAIL "$unexpected device tests skipped with a device"
-else
-  row device PASS "$(gtest_counts "$log")$( ((gpu)) || echo '; device tests: no device')"
-fi
-
+  echo "== device client"
+  log=$logs/device.log
+  timeout 180 "${X[@]}" "$B/bin/device_client_test" >"$log" 2>&1
+  rc=$?
+  # With a device, the one test that may skip is the no-device path's.
+  unexpected=$(grep -c 'needs a CUDA device' "$log")
+  if ((rc != 0)); then
+    row device FAIL "exit $rc: $(gtest_counts "$log") (log $log)"
+  elif ((gpu && unexpected > 0)); then
+    row device FAIL "$unexpected device tests skipped with a device"
+  else
+    row device PASS "$(gtest_counts "$log")$( ((gpu)) || echo '; device tests: no device')"
+  fi
 fi
 
 if want store; then
-echo "== store on a GPU arena"
-log=$logs/store.log
-timeout 120 "${X[@]}" "$B/bin/store_test" --gtest_filter='*StoreGpu*' >"$log" 2>&1
-rc=$?
-if ((rc != 0)); then
-  row store FAIL "exit $rc: $(gtest_counts "$log") (log $log)"
-elif ((gpu)) && grep -q '^\[  SKIPPED \] [0-9]' "$log"; then
-  row store FAIL "skipped with a device: $(gtest_counts "$log")"
-elif ((gpu)); then
-  row store PASS "$(gtest_counts "$log")"
-else
-  row store "no device" "$(gtest_counts "$log")"
-fi
-
+  echo "== store on a GPU arena"
+  gtest_gpu_step store 120 store_test --gtest_filter='*StoreGpu*'
 fi
 
 node_pid=

@@ -562,12 +562,11 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   ReadStartHeader h;
   h.read_id = read_id;
   h.token = token;
-  h.flags =
-      (per_layer ? kReadFlagPerLayer : 0) |
-      (address.bounded_reads ? kReadFlagBounded : 0) |
-      (address.message_reads ? kReadFlagMessages : 0) |
-      (address.message_reads && address.sequenced_data ? kReadFlagSequenced
-                                                       : 0);
+  const bool sequenced = address.message_reads && address.sequenced_data;
+  h.flags = (per_layer ? kReadFlagPerLayer : 0) |
+            (address.bounded_reads ? kReadFlagBounded : 0) |
+            (address.message_reads ? kReadFlagMessages : 0) |
+            (sequenced ? kReadFlagSequenced : 0);
   h.buffer_id = buffer_id;
   ReadStartBody body;
   body.remote_key = *rkey;
@@ -582,7 +581,7 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   state->region_base = reinterpret_cast<uint64_t>(region->data());
   state->region_size = region->size();
   state->memh = region->memh();
-  state->sequenced = address.message_reads && address.sequenced_data;
+  state->sequenced = sequenced;
   std::string token_bytes = TokenBytes(token);
   state->token = token_bytes;
   bool posted = loop_->Post([this, address, token_bytes, state,

@@ -138,19 +138,13 @@ std::vector<uint8_t> Fetch(const void* base, size_t bytes, uint32_t b) {
 bool CheckOutputs(const BlockShape& shape, const CodecPolicy& p,
                   uint32_t blocks, size_t in_bytes, size_t enc_bytes,
                   const std::vector<std::vector<uint16_t>>& host,
-                  uint16_t* d_in, uint8_t* d_enc, uint16_t* d_out16) {
+                  const std::vector<const uint16_t*>& ins,
+                  const std::vector<uint8_t*>& encs,
+                  const std::vector<const uint8_t*>& encs_const,
+                  const std::vector<uint16_t*>& outs, uint8_t* d_enc,
+                  uint16_t* d_out16) {
   CHECK_CUDA(cudaMemset(d_enc, 0xA5, enc_bytes * blocks));
   CHECK_CUDA(cudaMemset(d_out16, 0xA5, in_bytes * blocks));
-  std::vector<const uint16_t*> ins;
-  std::vector<uint8_t*> encs;
-  std::vector<const uint8_t*> encs_const;
-  std::vector<uint16_t*> outs;
-  for (uint32_t b = 0; b < blocks; ++b) {
-    ins.push_back(d_in + b * (in_bytes / 2));
-    encs.push_back(d_enc + b * enc_bytes);
-    encs_const.push_back(d_enc + b * enc_bytes);
-    outs.push_back(d_out16 + b * (in_bytes / 2));
-  }
   if (!EncodeBlocksCuda(shape, p, ins, encs).ok() ||
       !DecodeBlocksCuda(shape, p, encs_const, outs).ok()) {
     return false;
@@ -262,8 +256,9 @@ int Main(int argc, char** argv) {
       std::printf("%s: a launch failed\n", std::string(CodecName(c)).c_str());
       return 1;
     }
-    const bool right = CheckOutputs(shape, p, o.blocks, in_bytes, enc_bytes,
-                                    host, d_in, d_enc, d_out16);
+    const bool right =
+        CheckOutputs(shape, p, o.blocks, in_bytes, enc_bytes, host, ins, encs,
+                     encs_const, outs16, d_enc, d_out16);
     failures += right ? 0 : 1;
     const double moved = double(in_bytes + enc_bytes) * o.blocks;
     for (int op = 0; op < 2; ++op) {
