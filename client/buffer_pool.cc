@@ -3,6 +3,8 @@
 #include <functional>
 #include <utility>
 
+#include "base/populate.h"
+
 namespace kvcache {
 
 struct DataBuffer::Impl {
@@ -40,6 +42,8 @@ absl::StatusOr<BufferPool::Landing> BufferPool::Take(ucx::ClientPlane* plane,
   absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> region =
       plane->Allocate(bytes);
   if (!region.ok()) return region.status();
+  // Where this fails (an older kernel) the first read faults the pages.
+  PopulateForWrite((*region)->data(), (*region)->size());
   Landing landing;
   landing.region = *std::move(region);
   MutexLock lock(&mu_);

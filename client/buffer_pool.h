@@ -9,6 +9,10 @@
 //    a GetInto destination inside it is found (Holding) and goes with its
 //    registration. Reads in progress hold the region (shared_ptr): a
 //    region goes back to the idle pool only when nothing else holds it.
+//  * A fresh region is faulted in before it is handed out (base/populate.h),
+//    as a registration for RDMA would leave it, so the first read into it
+//    runs as fast as the next ones (over tcp here: 360 against 2000 MiB/s
+//    into 512 MiB); allocating pays for the pages instead.
 //  * At most ClientOptions::max_idle_buffer_bytes are kept idle; past that
 //    the node is told to drop the key and the region goes with its last
 //    holder.

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -16,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "base/populate.h"
 #include "store/cuda_memory.h"
 
 namespace kvcache::store {
@@ -58,26 +58,12 @@ class HostArena final : public Arena {
   }
 
  private:
-  // Populating a page that is resident already leaves it as it is, and a
-  // store write racing the populate of a page meets the same fault path:
-  // either way no byte changes.
+  // Stops when the arena goes; the pages stay as they are (base/populate.h).
   void Prefault() {
-    constexpr uint64_t kStep = 2ull << 20;
-    for (uint64_t at = 0; at < size_; at += kStep) {
-      if (stop_prefault_.load(std::memory_order_relaxed)) return;
-      const size_t n = static_cast<size_t>(std::min(kStep, size_ - at));
-      int rc;
-      do {
-        rc = madvise(base_ + at, n, MADV_POPULATE_WRITE);
-      } while (rc != 0 && (errno == EINTR || errno == EAGAIN));
-      if (rc != 0) return;  // EINVAL: an older kernel; ENOMEM: no memory
-      // Each call holds the mmap lock for reading; called back to back they
-      // kept a thread that must change its mappings (malloc growing its
-      // heap, so every gRPC thread) waiting until the whole arena was in:
-      // 17 s for an 8 GiB node's first put. A pause between steps lets it
-      // in (ArenaTest.ThePrefaultLetsOtherThreadsChangeTheirMappings), for
-      // about 0.3 s more per 8 GiB.
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (!PopulateForWrite(base_, size_, [this] {
+          return stop_prefault_.load(std::memory_order_relaxed);
+        })) {
+      return;
     }
     prefaulted_.store(true, std::memory_order_release);
   }

@@ -9,6 +9,7 @@
 // TTL. The killed client is this binary, re-executed in child mode.
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -539,6 +540,27 @@ TEST_P(UcxTest, Fp16ReadsDecodedOnTheClientEqualTheNodesAndMoveRawBytes) {
     }
   }
   ExpectNothingHeld(absl::Seconds(5));
+}
+
+// A DataBuffer comes faulted in, as a registration for RDMA would leave it:
+// the first read into it costs no page fault per 4 KiB page of the
+// destination (measured over tcp before: a first read into a fresh
+// 512 MiB buffer ran at 360 MiB/s, the next ones at 2000).
+TEST_P(UcxTest, AnAllocatedBufferTakesNoPageFaultOnItsFirstWrite) {
+  constexpr size_t kBytes = 64 << 20;
+  auto buffer = client_->AllocateBuffer(kBytes);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  ASSERT_TRUE((*buffer)->registered());
+  auto minor_faults = [] {
+    struct rusage usage;
+    getrusage(RUSAGE_THREAD, &usage);
+    return usage.ru_minflt;
+  };
+  const long before = minor_faults();
+  std::memset((*buffer)->data(), 0x5A, kBytes);
+  const long faults = minor_faults() - before;
+  // 16,384 pages of 4 KiB (32 of 2 MiB where huge pages back it).
+  EXPECT_LT(faults, 8) << faults << " page faults writing a fresh buffer";
 }
 
 // Where the node maps a client's long-lived buffer (shared memory), it

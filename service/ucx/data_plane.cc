@@ -1,9 +1,6 @@
 #include "service/ucx/data_plane.h"
 
-#include <sys/mman.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +15,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "base/log.h"
+#include "base/populate.h"
 #include "kernels/codec.h"
 #include "transport/status.h"
 
@@ -969,19 +967,8 @@ void DataPlane::PrefaultClientBuffer(std::shared_ptr<RemoteKey> key,
     return;  // not one mapping of this process
   }
   executor_([this, key = std::move(key), first, length]() mutable {
-    constexpr uintptr_t kPage = 4096;
-    constexpr uintptr_t kStep = 4u << 20;
-    const uintptr_t begin = reinterpret_cast<uintptr_t>(first) & ~(kPage - 1);
-    const uintptr_t end = reinterpret_cast<uintptr_t>(first) + length;
-    bool done = true;
-    for (uintptr_t at = begin; at < end && done; at += kStep) {
-      const size_t n = static_cast<size_t>(std::min(kStep, end - at));
-      int rc;
-      do {
-        rc = madvise(reinterpret_cast<void*>(at), n, MADV_POPULATE_WRITE);
-      } while (rc != 0 && (errno == EINTR || errno == EAGAIN));
-      done = rc == 0;  // EINVAL: an older kernel; the puts fault as before
-    }
+    // false: an older kernel; the puts fault as before.
+    const bool done = PopulateForWrite(first, length);
     if (done) prefaulted_buffer_bytes_.fetch_add(length);
     // A remote key is destroyed on the loop thread (see StageLocked).
     loop_->Post([key = std::move(key)] {});

@@ -293,11 +293,13 @@ absl::Status DecodeRaw(const GetResult& result, const BlockData& block,
 // GetInto whose destination lies inside a DataBuffer of the same Client
 // uses it as is (any other memory is registered for that read only); a Put
 // whose block lies inside one sends it from the registered memory. Without a
-// data plane (gRPC only) it is plain memory. A DataBuffer must not outlive the
-// Client that allocated it; reads in progress keep its registration alive until
-// they end. A freed buffer's memory stays registered for reuse by later
-// buffers and Gets (ClientOptions::max_idle_buffer_bytes), and nodes keep its
-// key until the client lets it go.
+// data plane (gRPC only) it is plain memory. Its pages are faulted in when it
+// is allocated, so the first read into it takes no page faults. A DataBuffer
+// must not outlive the Client that allocated it; reads in progress keep its
+// registration alive until they end. A freed buffer's memory stays
+// registered for reuse by later buffers and Gets
+// (ClientOptions::max_idle_buffer_bytes), and nodes keep its key until the
+// client lets it go.
 class DataBuffer {
  public:
   struct Impl;
