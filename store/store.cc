@@ -1451,9 +1451,8 @@ absl::Status Store::ReadPinnedBlock(const Namespace& ns, const Entry& entry,
   // reply and an fp16 read gathers into scratch and decodes into the
   // reply: one copy of the pages either way.
   const uint8_t* base = arena_->host_base();
-  const bool here = options.in_place && options.keep_lease && base != nullptr &&
-                    (options.format == ReadFormat::kRaw ||
-                     policy.codec == kernels::Codec::kNone);
+  const bool here = options.in_place && options.keep_lease &&
+                    InPlace(policy.codec, options.format);
   BlockHeader header;
   absl::Status status;
   if (here) {
@@ -1496,12 +1495,15 @@ absl::Status Store::ReadPinnedBlock(const Namespace& ns, const Entry& entry,
                      block->data.size() / 2));
 }
 
-bool Store::ReadsInPlace(const NamespaceInfo& ns, ReadFormat format) const {
-  // The same rule as ReadPinnedBlock's: a block in KIVI's residual window is
-  // stored fp16 (codec none) and so in place for either format.
+bool Store::InPlace(kernels::Codec stored, ReadFormat format) const {
   return arena_->host_base() != nullptr &&
-         (format == ReadFormat::kRaw ||
-          ns.config.policy.codec == kernels::Codec::kNone);
+         (format == ReadFormat::kRaw || stored == kernels::Codec::kNone);
+}
+
+bool Store::ReadsInPlace(const NamespaceInfo& ns, ReadFormat format) const {
+  // A block in KIVI's residual window is stored with codec none, so in
+  // place for either format: where the namespace's codec is, every block is.
+  return InPlace(ns.config.policy.codec, format);
 }
 
 absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,

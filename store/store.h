@@ -499,6 +499,11 @@ class Store {
                           bool allow_missing, std::vector<Entry*>* entries,
                           std::vector<uint32_t>* positions,
                           std::vector<uint32_t>* missing);
+  // The one rule for serving a block in place (ReadsInPlace and
+  // ReadPinnedBlock both apply it, so staging reserved by the first covers
+  // what the second copies): a host arena, and stored bytes that are the
+  // answer as they lie, a raw read or a block stored with codec none.
+  bool InPlace(kernels::Codec stored, ReadFormat format) const;
   // Reads one pinned block into `block` (whose key is set) as `options`
   // asks, with `stored` as scratch. An error answers a failed copy or
   // decode; *verified is the verification's outcome (nothing is decoded
