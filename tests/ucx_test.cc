@@ -1446,6 +1446,43 @@ TEST_P(UcxTest,
   read->reset();
 }
 
+// A node sends at most one status per layer of a read, each for more layers
+// than the one before: a status that does not move the read on (here the
+// same one, 1,000 times, before any data lands) fails the read instead of
+// being held, so a misbehaving node cannot make the client hold statuses
+// without bound.
+TEST_P(UcxTest, AStatusThatDoesNotMoveTheReadOnFailsIt) {
+  if (!GetParam().tcp() || GetParam().delivery != ucx::ReadDelivery::kAuto) {
+    GTEST_SKIP() << "data messages are a tcp read's delivery";
+  }
+  FakeNode fake;
+  ASSERT_FALSE(fake.address().empty());
+  auto plane = ucx::ClientPlane::Create();
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  constexpr size_t kLayer = 4096;
+  static std::vector<uint8_t> payload(2 * kLayer, 0x3C);
+  const uint8_t* data = payload.data();
+  fake.set_on_read([data](ucp_ep_h ep, const ucx::ReadStartHeader& h) {
+    for (int i = 0; i < 1000; ++i) FakeNode::SendStatus(ep, h, 1, 1, 2);
+    FakeNode::SendData(ep, h, 0, 0, data, kLayer, 0);
+    FakeNode::SendData(ep, h, 0, kLayer, data + kLayer, kLayer, 1);
+    FakeNode::SendStatus(ep, h, 2, 2, 2);
+  });
+  auto region = (*plane)->Allocate(2 * kLayer);
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::shared_ptr<ucx::MemoryRegion> shared = *std::move(region);
+  const uint64_t base = reinterpret_cast<uint64_t>(shared->data());
+  auto read = (*plane)->StartRead(fake.NodeAddress(/*sequenced=*/true), 11,
+                                  *ucx::NewToken(), shared, {base}, 2,
+                                  /*per_layer=*/true);
+  ASSERT_TRUE(read.ok()) << read.status();
+  const absl::Status done =
+      (*read)->WaitLayers(2, absl::Now() + absl::Seconds(10));
+  EXPECT_EQ(done.code(), absl::StatusCode::kInternal) << done;
+  EXPECT_NE(done.message().find("status"), std::string::npos) << done;
+  read->reset();
+}
+
 // A connection that fails before any transfer on it completed carried no
 // call to its end: its failure says so (IsFreshConnectionReset), and
 // Client::Get tries such a read once more on a new connection (a node
@@ -1792,7 +1829,8 @@ TEST_P(UcxTest, AWriteOutlivesItsConnectionOnceItsBlocksHaveLanded) {
         *ucx::TokenFromBytes(read_begun.data_plane().token()), held, {base}, 1,
         /*per_layer=*/false);
     ASSERT_TRUE(read.ok()) << read.status();
-    ASSERT_TRUE((*read)->WaitLayers(1, deadline).ok());
+    const absl::Status landed = (*read)->WaitLayers(1, deadline);
+    ASSERT_TRUE(landed.ok()) << landed;
   }  // the plane and its connection close here
   ASSERT_TRUE(
       wait_for([&] { return node_->data_plane()->Stats().connections == 0; }));

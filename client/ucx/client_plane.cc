@@ -183,6 +183,12 @@ struct ClientPlane::ReadState {
   absl::btree_set<uint32_t> landed_later;
   uint32_t receiving = 0;
   std::deque<ReadStatusHeader> waiting_statuses;
+  // What the read's last successful status said (AcceptStatus): each one
+  // reports more of the same count of layers than the one before, so a
+  // read holds at most that count of them (0: none yet).
+  uint32_t status_layers = 0;
+  uint32_t status_num_layers = 0;
+  uint32_t status_messages = 0;
   std::optional<absl::Status> detach_when_received;
 
   Mutex mu;
@@ -645,6 +651,12 @@ ucs_status_t ClientPlane::OnReadStatus(
   std::shared_ptr<ReadState> state = self->FindRead(token);
   if (state == nullptr) return UCS_OK;
   const absl::string_view message(static_cast<const char*>(data), length);
+  if (h->code == 0) {
+    if (absl::Status in_order = AcceptStatus(*state, *h); !in_order.ok()) {
+      self->EndRead(token, 0, in_order);
+      return UCS_OK;
+    }
+  }
   if (h->code == 0 && h->has_data_messages &&
       (state->landed_prefix < h->data_messages ||
        !state->waiting_statuses.empty())) {
@@ -728,6 +740,24 @@ ucs_status_t ClientPlane::OnReadData(
         self->DataLanded(state, index, status);
       });
   return UCS_OK;
+}
+
+absl::Status ClientPlane::AcceptStatus(ReadState& state,
+                                       const ReadStatusHeader& h) {
+  if (h.layers_done > h.num_layers || h.layers_done <= state.status_layers ||
+      (state.status_num_layers != 0 &&
+       h.num_layers != state.status_num_layers) ||
+      (h.has_data_messages && h.data_messages < state.status_messages)) {
+    return absl::InternalError(absl::StrCat(
+        "the node sent a status for ", h.layers_done, " of ", h.num_layers,
+        " layers after one for ", state.status_layers, " of ",
+        state.status_num_layers,
+        " (each status of a read reports more of the same layers)"));
+  }
+  state.status_layers = h.layers_done;
+  state.status_num_layers = h.num_layers;
+  if (h.has_data_messages) state.status_messages = h.data_messages;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<uint32_t> ClientPlane::NumberDataMessage(

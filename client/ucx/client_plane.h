@@ -175,6 +175,10 @@ class ClientPlane {
                                  const ucp_am_recv_param_t* param) noexcept;
   // The read named by `token` bytes, if it is in progress.
   std::shared_ptr<ReadState> FindRead(const std::string& token);
+  // Records successful status `h` of `state`; INTERNAL, recording nothing,
+  // unless it reports more layers than the last one, of the same count and
+  // after at least as many data messages.
+  static absl::Status AcceptStatus(ReadState& state, const ReadStatusHeader& h);
   // The place of data message `h` of `state` in the node's send order: its
   // sequence on a sequenced read (INTERNAL when it has none or repeats one
   // already numbered), else its place among the arrivals so far.
