@@ -7,6 +7,9 @@
 #   bench/peers/run.sh first-layer      ours only: time to the first layer
 #                                       of a 4,096-token prefix
 #                                       (first_layer.py)
+#   bench/peers/run.sh profile          ours only: a steady read or write
+#                                       loop under perf, its CPU by process
+#                                       and category (profile.py)
 #   SYSTEMS, PATHS, CODECS, FORMATS, CLIENTS, ROUNDS, BLOCKS, BATCH, OUT,
 #   NODE_BIN, PHASE_TIMEOUT, START_TIMEOUT, MOONCAKE_THREADS, KEEP_WORK
 # Installs what is missing first, once per machine: Debian's redis-server,
@@ -101,6 +104,7 @@ ensure_kvcache() {
 run_bench() {
   local pid rc=0 script=bench.py
   [[ ${1:-} == first-layer ]] && script=first_layer.py
+  [[ ${1:-} == profile ]] && script=profile.py
   NODE_BIN=$node_bin "$venv/bin/python" "$here/$script" &
   pid=$!
   trap 'kill -TERM "$pid" 2>/dev/null || true' INT TERM HUP
