@@ -233,6 +233,12 @@ class Metrics::DataPlaneCollector : public prometheus::Collectable {
                          "puts, as on TCP.",
                          MetricType::Counter));
     AddValue(&out.back(), g.message_reads);
+    out.push_back(Family("kvcache_data_plane_copied_reads_total",
+                         "Reads the node copied into a client buffer it maps "
+                         "(shared memory) on its worker pool, rather than by "
+                         "UCX puts on its progress thread.",
+                         MetricType::Counter));
+    AddValue(&out.back(), g.copied_reads);
     return out;
   }
 

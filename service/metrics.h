@@ -48,6 +48,7 @@ class Metrics {
     uint64_t buffer_keys = 0;
     uint64_t pulled_blocks = 0;
     uint64_t message_reads = 0;
+    uint64_t copied_reads = 0;
   };
   // Without a source (no data plane) the kvcache_data_plane_* series are
   // absent.

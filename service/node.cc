@@ -110,6 +110,7 @@ absl::Status Node::StartDataPlane() {
     g.buffer_keys = s.buffer_keys;
     g.pulled_blocks = s.pulled_blocks;
     g.message_reads = s.message_reads;
+    g.copied_reads = s.copied_reads;
     return g;
   });
   return absl::OkStatus();

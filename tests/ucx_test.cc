@@ -336,9 +336,20 @@ TEST_P(UcxTest, PutGetRoundTripsOverUcxInBothFormats) {
     EXPECT_EQ(message_reads, 0u);
   }
   // The bytes went over UCX, not gRPC, and nothing is left behind.
+  // Where the node maps the client's memory (shared memory) it copies the
+  // reads itself, on its worker pool.
+  const uint64_t copied_reads = node_->data_plane()->Stats().copied_reads;
+  if (GetParam().tcp()) {
+    EXPECT_EQ(copied_reads, 0u);
+  } else {
+    EXPECT_GT(copied_reads, 0u);
+  }
   std::string metrics = node_->metrics()->Render();
   EXPECT_NE(metrics.find(absl::StrCat("kvcache_data_plane_message_reads_total ",
                                       message_reads, "\n")),
+            std::string::npos);
+  EXPECT_NE(metrics.find(absl::StrCat("kvcache_data_plane_copied_reads_total ",
+                                      copied_reads, "\n")),
             std::string::npos);
   EXPECT_EQ(metrics.find("kvcache_transfer_bytes_total{direction=\"in\","
                          "transport=\"ucx\"} 0\n"),

@@ -1,6 +1,7 @@
 #include "service/ucx/data_plane.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -32,6 +33,9 @@ constexpr size_t kMaxBufferKeys = 64;
 // from paying a round trip each.
 constexpr uint32_t kMinSlicesInFlight = 2;
 constexpr uint64_t kBytesInFlight = 8ull << 20;
+// Where the node copies a read into the client's mapped memory itself
+// (CopySlice), the bytes one pool task copies.
+constexpr uint64_t kCopyTaskBytes = 4ull << 20;
 
 bool IsWildcardHost(absl::string_view host) {
   return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]";
@@ -126,6 +130,14 @@ struct DataPlane::ReadSession {
   uint32_t layers_done = 0;
   uint32_t data_messages = 0;  // kAmReadData messages issued
   bool sequenced = false;      // numbered for the client (kReadFlagSequenced)
+  // Where the node maps every destination (shared memory): each block's
+  // destination in this process, which the worker pool copies into
+  // (CopySlice) instead of UCX puts on the loop thread; empty otherwise.
+  std::vector<uint8_t*> mapped;
+  std::vector<bool> slice_copied;  // per slice, once its copies are done
+  uint32_t slices_reported = 0;    // statuses sent, in slice order
+  // Set when the read ends early: copies not yet begun are skipped.
+  std::shared_ptr<std::atomic<bool>> stop_copies;
   absl::Status error;
   bool finished = false;
 };
@@ -331,6 +343,7 @@ DataPlaneStats DataPlane::Stats() const {
   s.pulled_blocks = pulled_blocks_.load();
   s.prefaulted_buffer_bytes = prefaulted_buffer_bytes_.load();
   s.message_reads = message_reads_.load();
+  s.copied_reads = copied_reads_.load();
   MutexLock lock(&mu_);
   s.write_sessions = static_cast<uint32_t>(writes_.size());
   s.read_sessions = static_cast<uint32_t>(reads_.size());
@@ -1111,7 +1124,34 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
   session->slices = per_layer ? session->num_layers : 1;
   session->slice_sends.assign(session->slices, 0);
   session->slice_bytes.assign(session->slices, 0);
+  if (!by_messages) MapDestinations(*session);
   PostNextSlices(session);
+}
+
+void DataPlane::MapDestinations(ReadSession& session) {
+  std::vector<uint8_t*> mapped;
+  for (size_t b = 0; b < session.result.blocks.size(); ++b) {
+    const uint64_t size = session.result.blocks[b].size();
+    if (size == 0) {
+      mapped.push_back(nullptr);
+      continue;
+    }
+    void* first = nullptr;
+    void* last = nullptr;
+    if (ucp_rkey_ptr(session.rkey->get(), session.remote[b], &first) !=
+            UCS_OK ||
+        ucp_rkey_ptr(session.rkey->get(), session.remote[b] + size - 1,
+                     &last) != UCS_OK ||
+        static_cast<uint8_t*>(last) !=
+            static_cast<uint8_t*>(first) + size - 1) {
+      return;  // not one mapping of this process: UCX puts
+    }
+    mapped.push_back(static_cast<uint8_t*>(first));
+  }
+  session.mapped = std::move(mapped);
+  copied_reads_.fetch_add(1);
+  session.slice_copied.assign(session.slices, false);
+  session.stop_copies = std::make_shared<std::atomic<bool>>(false);
 }
 
 void DataPlane::PostNextSlices(const std::shared_ptr<ReadSession>& session) {
@@ -1132,6 +1172,10 @@ void DataPlane::SliceSent(const std::shared_ptr<ReadSession>& session,
   if (--session->slice_sends[slice] > 0) return;
   --session->slices_in_flight;
   session->bytes_in_flight -= session->slice_bytes[slice];
+  if (!session->mapped.empty()) {
+    session->slice_copied[slice] = true;
+    ReportCopiedSlices(session);
+  }
   PostNextSlices(session);
 }
 
@@ -1157,8 +1201,125 @@ void DataPlane::PostNextSlice(const std::shared_ptr<ReadSession>& session) {
   SliceSent(session, slice);
 }
 
+void DataPlane::ForEachPiece(
+    const ReadSession& session, uint32_t slice,
+    absl::FunctionRef<void(const uint8_t*, uint64_t, size_t, uint64_t)> fn) {
+  const bool per_layer = session.slices > 1;
+  for (size_t b = 0; b < session.result.blocks.size(); ++b) {
+    const store::ReadBlock& block = session.result.blocks[b];
+    const uint64_t size = block.size();
+    const std::vector<uint64_t>& ends = session.layer_ends[b];
+    uint64_t start = 0;
+    uint64_t end = size;
+    if (per_layer && ends.size() == session.num_layers) {
+      start = slice == 0 ? 0 : ends[slice - 1];
+      end = ends[slice];
+    } else if (slice > 0) {
+      continue;  // a block whose layers are not separable went whole
+    }
+    if (end <= start || end > size) continue;
+    if (block.spans.empty()) {
+      fn(reinterpret_cast<const uint8_t*>(block.data.data()) + start,
+         end - start, b, start);
+      continue;
+    }
+    // In place: the slice may cross page runs; one piece per run, straight
+    // from the pinned arena pages.
+    uint64_t at = 0;
+    for (absl::Span<const uint8_t> span : block.spans) {
+      const uint64_t lo = std::max(start, at);
+      const uint64_t hi = std::min(end, at + span.size());
+      if (lo < hi) fn(span.data() + (lo - at), hi - lo, b, lo);
+      at += span.size();
+      if (at >= end) break;
+    }
+  }
+}
+
+void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
+                          uint32_t slice) {
+  struct Piece {
+    uint8_t* dst;
+    const uint8_t* src;
+    uint64_t length;
+  };
+  // Tasks of about kCopyTaskBytes, so that a large slice is copied by
+  // several pool threads at once.
+  std::vector<std::vector<Piece>> tasks(1);
+  uint64_t task_bytes = 0;
+  ForEachPiece(
+      *session, slice,
+      [&](const uint8_t* src, uint64_t length, size_t b, uint64_t start) {
+        if (task_bytes >= kCopyTaskBytes) {
+          tasks.emplace_back();
+          task_bytes = 0;
+        }
+        tasks.back().push_back({session->mapped[b] + start, src, length});
+        task_bytes += length;
+        session->slice_bytes[slice] += length;
+      });
+  for (std::vector<Piece>& pieces : tasks) {
+    if (pieces.empty()) continue;
+    ++session->outstanding;
+    ++session->slice_sends[slice];
+    loop_->AddBusy(1);
+    executor_([this, session, slice, stop = session->stop_copies,
+               pieces = std::move(pieces)] {
+      bool stopped = false;
+      for (const Piece& piece : pieces) {
+        if (stop->load(std::memory_order_relaxed)) {
+          stopped = true;
+          break;
+        }
+        std::memcpy(piece.dst, piece.src, piece.length);
+      }
+      loop_->Post([this, session, slice, stopped] {
+        loop_->AddBusy(-1);
+        --session->outstanding;
+        if (stopped && session->error.ok()) {
+          session->error = absl::AbortedError("the read ended early");
+        }
+        SliceSent(session, slice);
+        ReleaseIfIdle(*session);
+      });
+    });
+  }
+}
+
+void DataPlane::ReportCopiedSlices(
+    const std::shared_ptr<ReadSession>& session) {
+  // Statuses go in slice order, each once every slice before it is copied:
+  // a layer is reported only when it and the layers before it are in the
+  // client's memory, whichever pool thread finished first.
+  while (!session->finished &&
+         session->slices_reported < session->slices_posted &&
+         session->slice_copied[session->slices_reported]) {
+    if (!session->error.ok()) {
+      FinishRead(session, session->error);
+      return;
+    }
+    if (!connections_.contains(session->send_conn)) {
+      FinishRead(session, absl::UnavailableError("the connection closed"));
+      return;
+    }
+    ++session->slices_reported;
+    const uint32_t layers_done =
+        session->slices > 1 ? session->slices_reported : session->num_layers;
+    session->layers_done = layers_done;
+    SendReadStatus(session->send_conn, session->id, session->token, layers_done,
+                   session->num_layers, absl::OkStatus(), std::nullopt);
+    if (layers_done == session->num_layers) {
+      FinishRead(session, absl::OkStatus());
+    }
+  }
+}
+
 void DataPlane::PostSlice(const std::shared_ptr<ReadSession>& session,
                           Connection& conn, uint32_t slice) {
+  if (!session->mapped.empty()) {
+    CopySlice(session, slice);
+    return;
+  }
   const uint64_t conn_id = conn.id;
   const ucp_ep_h ep = conn.out().get();
   const ucp_rkey_h rkey = session->rkey->get();
@@ -1212,35 +1373,7 @@ void DataPlane::PostSlice(const std::shared_ptr<ReadSession>& session,
         },
         track, Encode(h));
   };
-  for (size_t b = 0; b < session->result.blocks.size(); ++b) {
-    const store::ReadBlock& block = session->result.blocks[b];
-    const uint64_t size = block.size();
-    const std::vector<uint64_t>& ends = session->layer_ends[b];
-    uint64_t start = 0;
-    uint64_t end = size;
-    if (per_layer && ends.size() == num_layers) {
-      start = slice == 0 ? 0 : ends[slice - 1];
-      end = ends[slice];
-    } else if (slice > 0) {
-      continue;  // a block whose layers are not separable went whole
-    }
-    if (end <= start || end > size) continue;
-    if (block.spans.empty()) {
-      put(reinterpret_cast<const uint8_t*>(block.data.data()) + start,
-          end - start, b, start);
-      continue;
-    }
-    // In place: the slice may cross page runs; one put per piece, straight
-    // from the pinned arena pages.
-    uint64_t at = 0;
-    for (absl::Span<const uint8_t> span : block.spans) {
-      const uint64_t lo = std::max(start, at);
-      const uint64_t hi = std::min(end, at + span.size());
-      if (lo < hi) put(span.data() + (lo - at), hi - lo, b, lo);
-      at += span.size();
-      if (at >= end) break;
-    }
-  }
+  ForEachPiece(*session, slice, put);
   const uint32_t layers_done = per_layer ? slice + 1 : num_layers;
   std::optional<uint32_t> data_messages;
   if (by_messages) data_messages = session->data_messages;
@@ -1310,6 +1443,7 @@ void DataPlane::FinishRead(const std::shared_ptr<ReadSession>& session,
                            absl::Status status) {
   if (session->finished) return;
   session->finished = true;
+  if (session->stop_copies != nullptr) session->stop_copies->store(true);
   uint64_t conn_id;
   {
     MutexLock lock(&mu_);

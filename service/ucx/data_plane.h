@@ -87,6 +87,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -159,6 +160,10 @@ struct DataPlaneStats {
   // Reads whose blocks went as data messages rather than puts (kAmReadData),
   // since the start.
   uint64_t message_reads = 0;
+  // Reads the node copied into a client buffer it maps (shared memory), on
+  // its worker pool, rather than by UCX puts on its progress thread, since
+  // the start.
+  uint64_t copied_reads = 0;
   // Bytes of clients' long-lived buffers that the node mapped (shared
   // memory) and faulted in at once when it first got their keys
   // (PrefaultClientBuffer), since the start.
@@ -362,6 +367,20 @@ class DataPlane {
   void SliceSent(const std::shared_ptr<ReadSession>& session, uint32_t slice);
   void PostSlice(const std::shared_ptr<ReadSession>& session, Connection& conn,
                  uint32_t slice);
+  // Calls fn(source, length, block, offset in the block) for each piece of
+  // `slice`: a piece is contiguous in the node's memory.
+  static void ForEachPiece(
+      const ReadSession& session, uint32_t slice,
+      absl::FunctionRef<void(const uint8_t*, uint64_t, size_t, uint64_t)> fn);
+  // Where the node maps every destination of the read (shared memory), sets
+  // session.mapped: the pool then copies each slice (CopySlice) instead of
+  // UCX putting it on the loop thread, and reports it once copied
+  // (ReportCopiedSlices) instead of after a flush.
+  void MapDestinations(ReadSession& session);
+  void CopySlice(const std::shared_ptr<ReadSession>& session, uint32_t slice);
+  // Sends the statuses of the copied slices, in order; ends the read after
+  // the last (or on an error, or once the connection is gone).
+  void ReportCopiedSlices(const std::shared_ptr<ReadSession>& session);
   void FinishRead(const std::shared_ptr<ReadSession>& session,
                   absl::Status status);
   // Once a finished read has no operation in flight: frees its key, copies
@@ -429,6 +448,7 @@ class DataPlane {
   std::atomic<uint32_t> buffer_key_count_{0};
   std::atomic<uint64_t> pulled_blocks_{0};
   std::atomic<uint64_t> message_reads_{0};
+  std::atomic<uint64_t> copied_reads_{0};
   std::atomic<uint64_t> prefaulted_buffer_bytes_{0};
   std::atomic<uint64_t> rejected_connections_{0};
 };

@@ -159,6 +159,7 @@ DataPlaneStats DataPlanes::Stats() const {
     sum.buffer_keys += s.buffer_keys;
     sum.pulled_blocks += s.pulled_blocks;
     sum.message_reads += s.message_reads;
+    sum.copied_reads += s.copied_reads;
     sum.prefaulted_buffer_bytes += s.prefaulted_buffer_bytes;
   }
   return sum;
