@@ -162,10 +162,11 @@ struct ReleaseBufferHeader {
   uint64_t buffer_id = 0;
 };
 
-// A read's successful statuses each report more layers than the one
-// before, of the same num_layers, after at least as many data messages (at
-// most one per layer); a client fails the read on any other. A failure
-// (code != 0) ends the read.
+// A read's successful statuses report layers of the same num_layers, after
+// at least as many data messages as the one before; a client fails the
+// read on any other. One that reports no more layers than an earlier one
+// (statuses sent after flushes can complete out of order) is dropped. A
+// failure (code != 0) ends the read.
 struct ReadStatusHeader {
   uint64_t read_id = 0;
   Token token{};

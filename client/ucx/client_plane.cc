@@ -1,6 +1,7 @@
 #include "client/ucx/client_plane.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -183,12 +184,13 @@ struct ClientPlane::ReadState {
   absl::btree_set<uint32_t> landed_later;
   uint32_t receiving = 0;
   std::deque<ReadStatusHeader> waiting_statuses;
-  // What the read's last successful status said (AcceptStatus): each one
-  // reports more of the same count of layers than the one before, so a
-  // read holds at most that count of them (0: none yet).
+  // What the read's last successful status said (AcceptStatus): only one
+  // that reports more of the same count of layers is kept, so a read holds
+  // at most that count of them (0: none yet).
   uint32_t status_layers = 0;
   uint32_t status_num_layers = 0;
   uint32_t status_messages = 0;
+  std::atomic<uint32_t> most_statuses_held{0};  // waiting_statuses' peak
   std::optional<absl::Status> detach_when_received;
 
   Mutex mu;
@@ -652,16 +654,22 @@ ucs_status_t ClientPlane::OnReadStatus(
   if (state == nullptr) return UCS_OK;
   const absl::string_view message(static_cast<const char*>(data), length);
   if (h->code == 0) {
-    if (absl::Status in_order = AcceptStatus(*state, *h); !in_order.ok()) {
-      self->EndRead(token, 0, in_order);
+    absl::StatusOr<bool> news = AcceptStatus(*state, *h);
+    if (!news.ok()) {
+      self->EndRead(token, 0, news.status());
       return UCS_OK;
     }
+    if (!*news) return UCS_OK;  // it says nothing the read has not heard
   }
   if (h->code == 0 && h->has_data_messages &&
       (state->landed_prefix < h->data_messages ||
        !state->waiting_statuses.empty())) {
     // Layers whose data is still landing: applied by DataLanded, in order.
     state->waiting_statuses.push_back(*h);
+    const uint32_t held = static_cast<uint32_t>(state->waiting_statuses.size());
+    if (held > state->most_statuses_held.load(std::memory_order_relaxed)) {
+      state->most_statuses_held.store(held, std::memory_order_relaxed);
+    }
     return UCS_OK;
   }
   absl::Status status;
@@ -742,22 +750,30 @@ ucs_status_t ClientPlane::OnReadData(
   return UCS_OK;
 }
 
-absl::Status ClientPlane::AcceptStatus(ReadState& state,
-                                       const ReadStatusHeader& h) {
-  if (h.layers_done > h.num_layers || h.layers_done <= state.status_layers ||
+absl::StatusOr<bool> ClientPlane::AcceptStatus(ReadState& state,
+                                               const ReadStatusHeader& h) {
+  if (h.layers_done > h.num_layers ||
       (state.status_num_layers != 0 &&
-       h.num_layers != state.status_num_layers) ||
-      (h.has_data_messages && h.data_messages < state.status_messages)) {
+       h.num_layers != state.status_num_layers)) {
     return absl::InternalError(absl::StrCat(
         "the node sent a status for ", h.layers_done, " of ", h.num_layers,
-        " layers after one for ", state.status_layers, " of ",
-        state.status_num_layers,
-        " (each status of a read reports more of the same layers)"));
+        " layers to a read of ",
+        state.status_num_layers != 0 ? state.status_num_layers : h.num_layers,
+        " layers"));
+  }
+  // Statuses sent after flushes (puts) can complete out of order: one that
+  // reports no more layers than an earlier one is already covered by it.
+  if (h.layers_done <= state.status_layers) return false;
+  if (h.has_data_messages && h.data_messages < state.status_messages) {
+    return absl::InternalError(absl::StrCat(
+        "the node sent a status for ", h.layers_done, " layers after ",
+        h.data_messages, " data messages, following one after ",
+        state.status_messages));
   }
   state.status_layers = h.layers_done;
   state.status_num_layers = h.num_layers;
   if (h.has_data_messages) state.status_messages = h.data_messages;
-  return absl::OkStatus();
+  return true;
 }
 
 absl::StatusOr<uint32_t> ClientPlane::NumberDataMessage(
@@ -838,6 +854,10 @@ void ClientPlane::EndRead(const std::string& token, uint32_t layers_done,
 }
 
 ClientPlane::Read::~Read() { SettleOrClose().IgnoreError(); }
+
+uint32_t ClientPlane::Read::most_statuses_held() const {
+  return state_->most_statuses_held.load(std::memory_order_relaxed);
+}
 
 absl::Status ClientPlane::Read::SettleOrClose() {
   ReadState* s = state_.get();

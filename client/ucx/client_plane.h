@@ -175,10 +175,12 @@ class ClientPlane {
                                  const ucp_am_recv_param_t* param) noexcept;
   // The read named by `token` bytes, if it is in progress.
   std::shared_ptr<ReadState> FindRead(const std::string& token);
-  // Records successful status `h` of `state`; INTERNAL, recording nothing,
-  // unless it reports more layers than the last one, of the same count and
-  // after at least as many data messages.
-  static absl::Status AcceptStatus(ReadState& state, const ReadStatusHeader& h);
+  // Records successful status `h` of `state` and returns true when it
+  // reports more layers than the last one; false (to be dropped) when it
+  // reports no more; INTERNAL when its layer count differs from the earlier
+  // ones' or is exceeded, or it follows fewer data messages than the last.
+  static absl::StatusOr<bool> AcceptStatus(ReadState& state,
+                                           const ReadStatusHeader& h);
   // The place of data message `h` of `state` in the node's send order: its
   // sequence on a sequenced read (INTERNAL when it has none or repeats one
   // already numbered), else its place among the arrivals so far.
@@ -236,6 +238,9 @@ class ClientPlane::Read {
   absl::Status WaitLayers(uint32_t layers, absl::Time deadline,
                           CancelToken* cancel = nullptr);
   uint32_t num_layers() const { return num_layers_; }
+  // The most statuses the read held at once, waiting for their data to land
+  // (at most one per layer; for tests and diagnostics).
+  uint32_t most_statuses_held() const;
   // Destroying a Read that has not ended: on connections where closing
   // stops the node (TCP, verbs) the read may end on its own for
   // kSettleGrace, then the connection is closed; on UCX
