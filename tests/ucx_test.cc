@@ -86,7 +86,8 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     StartNode(256ull << 20, 64ull << 20, absl::Seconds(30));
   }
 
-  void StartNode(uint64_t memory, uint64_t staging, absl::Duration ttl) {
+  void StartNode(uint64_t memory, uint64_t staging, absl::Duration ttl,
+                 int worker_threads = 2) {
     client_.reset();
     grpc_client_.reset();
     node_.reset();
@@ -99,7 +100,7 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     options.store.default_lease_ttl = ttl;
     options.max_request_bytes = 64 << 20;
     options.drain_timeout = absl::Seconds(5);
-    options.worker_threads = 2;
+    options.worker_threads = worker_threads;
     options.reaper_interval = absl::Milliseconds(50);
     options.data_plane = service::DataPlaneMode::kUcx;
     // Loopback is a trusted network; over shared memory the node runs as
@@ -578,8 +579,10 @@ TEST_P(UcxTest, AnAllocatedBufferTakesNoPageFaultOnItsFirstWrite) {
 // (shared memory), several pool threads copy a read's layers at once and
 // finish in any order; a layer is reported only once it and every layer
 // before it are in the buffer. 48 blocks of 16 layers (a layer of every
-// block is 6 MiB, two copy tasks), read 8 times.
+// block is 6 MiB, two copy tasks), read 8 times, by a node with 8 worker
+// threads on however few cores, so that copies overtake each other.
 TEST_P(UcxTest, EachLayerIsThereWhenItIsReportedHoweverTheCopiesFinish) {
+  StartNode(256ull << 20, 64ull << 20, absl::Seconds(30), /*worker_threads=*/8);
   const kernels::BlockShape shape{16, 8, 128, 32};
   ASSERT_TRUE(
       client_->RegisterNamespace(Spec("ordered", Codec::kNone, shape)).ok());
