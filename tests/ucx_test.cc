@@ -576,6 +576,51 @@ TEST_P(UcxTest, AnAllocatedBufferIsResidentAtOnce) {
       << resident << " of " << pages.size() << " pages resident";
 }
 
+// Layer by layer into a DataBuffer: where the node copies the read itself
+// (shared memory), several pool threads copy a read's layers at once and
+// finish in any order; a layer is reported only once it and every layer
+// before it are in the buffer. 48 blocks of 16 layers (a layer of every
+// block is 6 MiB, two copy tasks), read 8 times, by a node with 8 worker
+// threads on however few cores, so that copies overtake each other.
+TEST_P(UcxTest, EachLayerIsThereWhenItIsReportedHoweverTheCopiesFinish) {
+  StartNode(256ull << 20, 64ull << 20, absl::Seconds(30), /*worker_threads=*/8);
+  const kernels::BlockShape shape{16, 8, 128, 32};
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("ordered", Codec::kNone, shape)).ok());
+  constexpr int kBlocks = 48;
+  for (int first = 0; first < kBlocks; first += 8) {
+    ASSERT_TRUE(PutChain(client_.get(), "ordered", shape, first, 8).ok());
+  }
+  const size_t stride = kernels::Fp16BlockBytes(shape);
+  const size_t layer = stride / shape.num_layers;
+  auto buffer = client_->AllocateBuffer(kBlocks * stride);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  for (int round = 0; round < 8; ++round) {
+    std::memset((*buffer)->data(), 0xEE, (*buffer)->size());
+    auto read = client_->GetInto("ordered", Keys(0, kBlocks), ReadFormat::kFp16,
+                                 (*buffer)->span(), stride);
+    ASSERT_TRUE(read.ok()) << read.status();
+    for (uint32_t l = 0; l < shape.num_layers; ++l) {
+      const absl::Status landed = (*read)->WaitLayer(l);
+      ASSERT_TRUE(landed.ok())
+          << "round " << round << " layer " << l << ": " << landed;
+      for (int b = 0; b < kBlocks; ++b) {
+        const uint8_t* want =
+            reinterpret_cast<const uint8_t*>(data_[b].data()) + l * layer;
+        ASSERT_EQ(std::memcmp((*buffer)->data() + b * stride + l * layer, want,
+                              layer),
+                  0)
+            << "round " << round << ": layer " << l << " of block " << b
+            << " was reported before it was there";
+      }
+    }
+    ASSERT_TRUE((*read)->Wait().ok());
+  }
+  if (!GetParam().tcp()) {
+    EXPECT_GT(node_->data_plane()->Stats().copied_reads, 0u);
+  }
+}
+
 // Where the node maps a client's long-lived buffer (shared memory), it
 // faults the whole mapping in when it first keeps the buffer's key, on the
 // worker pool, and the reads into it stay exact; over tcp it maps nothing.
