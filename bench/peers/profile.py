@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,9 @@ def main() -> int:
     if path not in ("tcp", "shm") or " " in codec + fmt or op not in ("get", "put"):
         print("profile: one of PATHS=tcp|shm, one codec, one format, OP=get|put",
               file=sys.stderr)
+        return 2
+    if shutil.which("perf") is None:
+        print("profile: needs perf (Debian: apt-get install linux-perf)", file=sys.stderr)
         return 2
     share = blocks // n
     with tempfile.TemporaryDirectory(prefix="peers-profile-") as work, \
