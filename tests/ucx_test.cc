@@ -367,7 +367,10 @@ TEST_P(UcxTest, PutGetRoundTripsOverUcxInBothFormats) {
   ExpectNothingHeld(absl::Seconds(5));
   // The exposition, data-plane series included, is promtool-clean.
   if (std::system("command -v promtool >/dev/null 2>&1") == 0) {
-    std::string path = ::testing::TempDir() + "/ucx_metrics.txt";
+    // One file per process: ctest runs the transports' cases side by side,
+    // and a shared name let one case remove the file another was reading.
+    std::string path =
+        absl::StrCat(::testing::TempDir(), "/ucx_metrics.", getpid(), ".txt");
     {
       std::ofstream out(path);
       out << node_->metrics()->Render();

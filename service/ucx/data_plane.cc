@@ -37,6 +37,21 @@ constexpr uint64_t kBytesInFlight = 8ull << 20;
 // (CopySlice), the bytes one pool task copies.
 constexpr uint64_t kCopyTaskBytes = 4ull << 20;
 
+// [address, address + length) of the client memory `rkey` covers, as one
+// mapping in this process (shared memory); null when it is not one (or
+// length is 0).
+uint8_t* MappedRange(const RemoteKey& rkey, uint64_t address, uint64_t length) {
+  void* first = nullptr;
+  void* last = nullptr;
+  if (length == 0 || ucp_rkey_ptr(rkey.get(), address, &first) != UCS_OK ||
+      ucp_rkey_ptr(rkey.get(), address + length - 1, &last) != UCS_OK ||
+      static_cast<uint8_t*>(last) !=
+          static_cast<uint8_t*>(first) + length - 1) {
+    return nullptr;
+  }
+  return static_cast<uint8_t*>(first);
+}
+
 bool IsWildcardHost(absl::string_view host) {
   return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]";
 }
@@ -136,8 +151,9 @@ struct DataPlane::ReadSession {
   std::vector<uint8_t*> mapped;
   std::vector<bool> slice_copied;  // per slice, once its copies are done
   uint32_t slices_reported = 0;    // statuses sent, in slice order
-  // Set when the read ends early: copies not yet begun are skipped.
-  std::shared_ptr<std::atomic<bool>> stop_copies;
+  // Set when the read ends (FinishRead); pool threads read it (they hold
+  // the session): copies not yet begun are skipped.
+  std::atomic<bool> stop_copies{false};
   absl::Status error;
   bool finished = false;
 };
@@ -971,14 +987,8 @@ absl::StatusOr<std::shared_ptr<RemoteKey>> DataPlane::ClientKey(
 
 void DataPlane::PrefaultClientBuffer(std::shared_ptr<RemoteKey> key,
                                      uint64_t base, uint64_t length) {
-  void* first = nullptr;
-  void* last = nullptr;
-  if (length == 0 || ucp_rkey_ptr(key->get(), base, &first) != UCS_OK ||
-      ucp_rkey_ptr(key->get(), base + length - 1, &last) != UCS_OK ||
-      static_cast<uint8_t*>(last) !=
-          static_cast<uint8_t*>(first) + length - 1) {
-    return;  // not one mapping of this process
-  }
+  uint8_t* first = MappedRange(*key, base, length);
+  if (first == nullptr) return;  // not one mapping of this process
   executor_([this, key = std::move(key), first, length]() mutable {
     // false: an older kernel; the puts fault as before.
     const bool done = PopulateForWrite(first, length);
@@ -1132,26 +1142,13 @@ void DataPlane::MapDestinations(ReadSession& session) {
   std::vector<uint8_t*> mapped;
   for (size_t b = 0; b < session.result.blocks.size(); ++b) {
     const uint64_t size = session.result.blocks[b].size();
-    if (size == 0) {
-      mapped.push_back(nullptr);
-      continue;
-    }
-    void* first = nullptr;
-    void* last = nullptr;
-    if (ucp_rkey_ptr(session.rkey->get(), session.remote[b], &first) !=
-            UCS_OK ||
-        ucp_rkey_ptr(session.rkey->get(), session.remote[b] + size - 1,
-                     &last) != UCS_OK ||
-        static_cast<uint8_t*>(last) !=
-            static_cast<uint8_t*>(first) + size - 1) {
-      return;  // not one mapping of this process: UCX puts
-    }
-    mapped.push_back(static_cast<uint8_t*>(first));
+    uint8_t* at = MappedRange(*session.rkey, session.remote[b], size);
+    if (size != 0 && at == nullptr) return;  // not mapped here: UCX puts
+    mapped.push_back(at);
   }
   session.mapped = std::move(mapped);
   copied_reads_.fetch_add(1);
   session.slice_copied.assign(session.slices, false);
-  session.stop_copies = std::make_shared<std::atomic<bool>>(false);
 }
 
 void DataPlane::PostNextSlices(const std::shared_ptr<ReadSession>& session) {
@@ -1263,11 +1260,10 @@ void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
     ++session->outstanding;
     ++session->slice_sends[slice];
     loop_->AddBusy(1);
-    executor_([this, session, slice, stop = session->stop_copies,
-               pieces = std::move(pieces)] {
+    executor_([this, session, slice, pieces = std::move(pieces)] {
       bool stopped = false;
       for (const Piece& piece : pieces) {
-        if (stop->load(std::memory_order_relaxed)) {
+        if (session->stop_copies.load(std::memory_order_relaxed)) {
           stopped = true;
           break;
         }
@@ -1443,7 +1439,7 @@ void DataPlane::FinishRead(const std::shared_ptr<ReadSession>& session,
                            absl::Status status) {
   if (session->finished) return;
   session->finished = true;
-  if (session->stop_copies != nullptr) session->stop_copies->store(true);
+  session->stop_copies.store(true, std::memory_order_relaxed);
   uint64_t conn_id;
   {
     MutexLock lock(&mu_);
