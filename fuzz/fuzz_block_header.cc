@@ -63,9 +63,9 @@ absl::Status Verify(const BlockHeader& h, const Expected& e,
                     absl::Span<const uint8_t> payload) {
   absl::Status whole =
       VerifyBlock(h, e.shape, e.policy, e.fingerprint, e.key, payload);
-  absl::Status metadata =
-      VerifyBlockMetadata(h, e.shape, e.policy, e.fingerprint, e.key,
-                          payload.size(), HashBytes(payload));
+  absl::Status metadata = VerifyBlockMetadata(
+      h, e.shape, e.policy, e.fingerprint, e.key, payload.size(),
+      PayloadChecksum(e.shape, e.policy, payload));
   if (whole.code() != metadata.code()) {
     Fail("VerifyBlock and VerifyBlockMetadata disagree");
   }
@@ -92,7 +92,7 @@ bool Matches(const BlockHeader& h, const Expected& e,
          h.scale_mode == static_cast<uint8_t>(e.policy.scale_mode) &&
          h.kivi_group_size == e.policy.kivi_group_size &&
          h.key_hash == HashString(e.key) && h.payload_bytes == payload.size() &&
-         h.payload_checksum == HashBytes(payload);
+         h.payload_checksum == PayloadChecksum(e.shape, e.policy, payload);
 }
 
 // Raw: the expectations, 72 header bytes, the payload.
@@ -109,8 +109,9 @@ void Raw(fuzz::Input* in) {
                 : "rejected a header that matches");
   }
   // A caller's checksum of other bytes is never accepted.
-  if (s.ok() && VerifyBlockMetadata(h, e.shape, e.policy, e.fingerprint, e.key,
-                                    payload.size(), HashBytes(payload) + 1)
+  if (s.ok() && VerifyBlockMetadata(
+                    h, e.shape, e.policy, e.fingerprint, e.key, payload.size(),
+                    PayloadChecksum(e.shape, e.policy, payload) + 1)
                     .ok()) {
     Fail("accepted a payload checksum that does not match");
   }

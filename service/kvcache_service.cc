@@ -468,6 +468,12 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   options.holder = holder;
   options.keep_lease = true;
   options.in_place = true;
+  // The data plane checks each layer of a block read in place as it copies
+  // or before it sends it (DataPlane::CopySlice, CheckThenPost), instead of
+  // a separate pass here. A read that may leave out what fails
+  // (allow_missing) is checked here, so that a corrupt block is listed as
+  // missing rather than failing the read mid-transfer.
+  options.caller_verifies = !options.allow_missing;
   absl::StatusOr<store::ReadResult> r = store_->BeginRead(
       request->namespace_name(), Keys(request->keys()), options);
   if (!r.ok()) return r.status();

@@ -84,6 +84,13 @@ absl::Status ReadClaim::Hold() {
   return store_->HoldReadLease(id_);
 }
 
+absl::Status ReadClaim::DropCorruptBlock(size_t block) {
+  if (store_ == nullptr) {
+    return absl::FailedPreconditionError("the read claim holds no lease");
+  }
+  return store_->DropCorruptReadBlock(id_, block);
+}
+
 absl::Status ReadClaim::End() {
   Store* store = std::exchange(store_, nullptr);
   uint64_t id = std::exchange(id_, 0);

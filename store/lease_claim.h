@@ -106,6 +106,8 @@ class ReadClaim {
   // Store::EndLease; the claim is empty afterwards. FAILED_PRECONDITION: the
   // lease had expired or ended.
   absl::Status End();
+  // Store::DropCorruptReadBlock for block `block` of the held lease.
+  absl::Status DropCorruptBlock(size_t block);
   // Hands the lease back to the table (its TTL, EndLease or a BeginRead
   // taking the pin over ends it); returns its id (0 when empty).
   uint64_t Release();

@@ -56,6 +56,10 @@ struct Store::Namespace {
   uint32_t window_blocks = 0;            // 0: no residual window
   uint32_t pages_per_block = 0;          // encoded with the namespace codec
   uint32_t pages_per_residual_block = 0;
+  // Where each checksummed layer ends (ChecksumLayerEnds), encoded with the
+  // namespace codec and stored fp16 (the residual window).
+  std::vector<uint64_t> layer_ends;
+  std::vector<uint64_t> residual_layer_ends;
   std::atomic<uint64_t> blocks{0};
   std::atomic<uint64_t> residual_blocks{0};
   std::atomic<uint64_t> stored_pages{0};
@@ -382,6 +386,67 @@ absl::Status Store::WriteHeader(uint32_t first_page,
                        sizeof(header));
 }
 
+std::vector<uint32_t> Store::LayerSumSlots(const PageList& pages,
+                                           size_t count) const {
+  // Slot i of the list's page i + 1 holds sums [9i, 9i + 9).
+  constexpr size_t kPerSlot = sizeof(BlockHeader) / sizeof(uint64_t);
+  const size_t slots = (count + kPerSlot - 1) / kPerSlot;
+  if (slots + 1 > pages.count) return {};
+  std::vector<uint32_t> ids;
+  const uint64_t base = pool_.PageOffset(0);
+  const uint32_t page = pool_.page_size();
+  // ForEachRun only fails on a list shorter than the bytes asked for.
+  pool_
+      .ForEachRun(
+          pages, (slots + 1) * uint64_t{page},
+          [&](uint64_t offset, size_t, size_t n) {
+            for (size_t i = 0; i < (n + page - 1) / page; ++i) {
+              ids.push_back(static_cast<uint32_t>((offset - base) / page + i));
+            }
+            return absl::OkStatus();
+          })
+      .IgnoreError();
+  if (ids.size() < slots + 1) return {};
+  ids.erase(ids.begin());
+  ids.resize(slots);
+  return ids;
+}
+
+absl::Status Store::WriteBlockMetadata(const PageList& pages,
+                                       const BlockHeader& header,
+                                       absl::Span<const uint64_t> layer_sums) {
+  absl::Status status = WriteHeader(pages.first, header);
+  // Only blocks read in place (a host arena) are checked by layer.
+  if (arena_->host_base() == nullptr) return status;
+  constexpr size_t kPerSlot = sizeof(BlockHeader) / sizeof(uint64_t);
+  const std::vector<uint32_t> slots = LayerSumSlots(pages, layer_sums.size());
+  for (size_t i = 0; i < slots.size() && status.ok(); ++i) {
+    const size_t n = std::min(kPerSlot, layer_sums.size() - i * kPerSlot);
+    status =
+        arena_->Write(uint64_t{slots[i]} * sizeof(BlockHeader),
+                      layer_sums.data() + i * kPerSlot, n * sizeof(uint64_t));
+  }
+  return status;
+}
+
+bool Store::ReadLayerSums(const PageList& pages, size_t count,
+                          std::vector<uint64_t>* sums) const {
+  constexpr size_t kPerSlot = sizeof(BlockHeader) / sizeof(uint64_t);
+  const std::vector<uint32_t> slots = LayerSumSlots(pages, count);
+  if (slots.empty()) return false;
+  sums->resize(count);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const size_t n = std::min(kPerSlot, count - i * kPerSlot);
+    if (!arena_
+             ->Read(uint64_t{slots[i]} * sizeof(BlockHeader),
+                    sums->data() + i * kPerSlot, n * sizeof(uint64_t))
+             .ok()) {
+      return false;
+    }
+  }
+  return true;
+}
+
 absl::Status Store::ReadHeader(uint32_t first_page, BlockHeader* header) const {
   return arena_->Read(uint64_t{first_page} * sizeof(BlockHeader), header,
                       sizeof(*header));
@@ -423,6 +488,10 @@ absl::StatusOr<std::unique_ptr<Store::Namespace>> Store::MakeNamespace(
   ns->residual_policy.codec = Codec::kNone;
   ns->pages_per_block = pool_.PagesFor(info.encoded_block_bytes);
   ns->pages_per_residual_block = pool_.PagesFor(info.fp16_block_bytes);
+  ns->layer_ends = ChecksumLayerEnds(info.config.shape, info.config.policy,
+                                     info.encoded_block_bytes);
+  ns->residual_layer_ends = ChecksumLayerEnds(
+      info.config.shape, ns->residual_policy, info.fp16_block_bytes);
   uint32_t largest = ns->window_blocks > 0 ? ns->pages_per_residual_block
                                            : ns->pages_per_block;
   if (largest > pool_.num_pages()) {
@@ -1182,9 +1251,13 @@ absl::Status Store::EncodeToPages(const Namespace& ns, absl::string_view key,
     quantize_observer_(policy.codec,
                        absl::ToDoubleSeconds(absl::Now() - start));
   }
-  BlockHeader header =
-      MakeBlockHeader(shape, policy, info.fingerprint, key, out);
-  status = WriteHeader(pages.first, header);
+  const std::vector<uint64_t> layer_sums =
+      LayerChecksums(out, residual ? ns.residual_layer_ends : ns.layer_ends);
+  status = WriteBlockMetadata(
+      pages,
+      MakeBlockHeader(shape, policy, info.fingerprint, key, out.size(),
+                      CombineLayerChecksums(layer_sums)),
+      layer_sums);
   if (status.ok() && out.data() == scratch->data()) {
     status = pool_.Scatter(pages, out);
   }
@@ -1297,13 +1370,14 @@ void Store::QueueWindowExit(const Namespace& ns, Entry* newest) {
   }
 }
 
-void Store::DropCorrupt(Entry* entry) {
+void Store::DropCorrupt(Entry* entry, uint64_t serial) {
   ++data_loss_events_;
   Entry* parent = nullptr;
   {
+    // An entry's shard never changes (slab slots stay in their shard).
     Shard& shard = shards_[entry->shard];
     MutexLock lock(&shard.mu);
-    if (!entry->is(kRemoved)) {
+    if (entry->serial == serial && !entry->is(kRemoved)) {
       parent = RemoveEntry(shard, entry);
       ++evictions_data_loss_;
     }
@@ -1340,7 +1414,7 @@ bool Store::Reencode(const ReencodeJob& job) {
                          ns->info.fingerprint, job.key, fp16);
   }
   if (!status.ok()) {
-    DropCorrupt(entry);
+    DropCorrupt(entry, job.serial);
     MutexLock lock(&shard.mu);
     Unpin(shard, entry);
     return false;
@@ -1363,9 +1437,13 @@ bool Store::Reencode(const ReencodeJob& job) {
     if (status.ok()) owners_[ns->owner()].reserved_pages -= pages.count;
   }
   if (status.ok()) {
-    BlockHeader new_header =
-        MakeBlockHeader(shape, policy, ns->info.fingerprint, job.key, encoded);
-    status = WriteHeader(pages.first, new_header);
+    const std::vector<uint64_t> layer_sums =
+        LayerChecksums(encoded, ns->layer_ends);
+    status = WriteBlockMetadata(
+        pages,
+        MakeBlockHeader(shape, policy, ns->info.fingerprint, job.key,
+                        encoded.size(), CombineLayerChecksums(layer_sums)),
+        layer_sums);
     if (status.ok()) status = pool_.Scatter(pages, encoded);
   }
   PageList to_release;
@@ -1451,24 +1529,37 @@ absl::Status Store::ReadPinnedBlock(const Namespace& ns, const Entry& entry,
   // reply and an fp16 read gathers into scratch and decodes into the
   // reply: one copy of the pages either way.
   const uint8_t* base = arena_->host_base();
+  const std::vector<uint64_t>& layer_ends =
+      residual ? ns.residual_layer_ends : ns.layer_ends;
   const bool here = options.in_place && options.keep_lease &&
                     InPlace(policy.codec, options.format);
   BlockHeader header;
   absl::Status status;
   if (here) {
-    XXH3_state_t hash_state;
-    XXH3_64bits_reset(&hash_state);
-    status = pool_.ForEachRun(
-        entry.pages, payload_bytes, [&](uint64_t offset, size_t, size_t n) {
-          block->spans.emplace_back(base + offset, n);
-          XXH3_64bits_update(&hash_state, base + offset, n);
-          return absl::OkStatus();
-        });
+    status = pool_.ForEachRun(entry.pages, payload_bytes,
+                              [&](uint64_t offset, size_t, size_t n) {
+                                block->spans.emplace_back(base + offset, n);
+                                return absl::OkStatus();
+                              });
     if (status.ok()) status = ReadHeader(entry.pages.first, &header);
     if (!status.ok()) return status;
-    *verified = VerifyBlockMetadata(header, shape, policy, ns.info.fingerprint,
-                                    block->key, block->size(),
-                                    XXH3_64bits_digest(&hash_state));
+    std::vector<uint64_t> sums;
+    if (options.caller_verifies &&
+        ReadLayerSums(entry.pages, layer_ends.size(), &sums)) {
+      // The header vouches for the layer checksums; the caller checks the
+      // bytes against them as it copies or sends them.
+      *verified = VerifyBlockMetadata(
+          header, shape, policy, ns.info.fingerprint, block->key, block->size(),
+          CombineLayerChecksums(sums));
+      if (verified->ok()) {
+        block->unchecked_layer_ends = layer_ends;
+        block->unchecked_layer_sums = std::move(sums);
+      }
+      return absl::OkStatus();
+    }
+    *verified = VerifyBlockMetadata(
+        header, shape, policy, ns.info.fingerprint, block->key, block->size(),
+        CombineLayerChecksums(LayerChecksums(block->spans, layer_ends)));
     return absl::OkStatus();
   }
   absl::Span<uint8_t> payload;
@@ -1483,8 +1574,9 @@ absl::Status Store::ReadPinnedBlock(const Namespace& ns, const Entry& entry,
   status = pool_.Gather(entry.pages, payload);
   if (status.ok()) status = ReadHeader(entry.pages.first, &header);
   if (!status.ok()) return status;
-  *verified = VerifyBlock(header, shape, policy, ns.info.fingerprint,
-                          block->key, payload);
+  *verified = VerifyBlockMetadata(
+      header, shape, policy, ns.info.fingerprint, block->key, payload.size(),
+      CombineLayerChecksums(LayerChecksums(payload, layer_ends)));
   if (!verified->ok() || options.format != ReadFormat::kFp16) {
     return absl::OkStatus();
   }
@@ -1576,7 +1668,7 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
     status = pending[j].status;
     if (!status.ok()) break;
     if (!verified.ok()) {
-      DropCorrupt(entry);
+      DropCorrupt(entry, entry->serial);  // pinned: the serial holds
       if (!options.allow_missing) {
         status = absl::DataLossError(absl::StrCat("block ", positions[j], ": ",
                                                   verified.message(),
@@ -1615,6 +1707,31 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
   result.lease_id = NewLeaseId();
   read_leases_.emplace(result.lease_id, std::move(lease));
   return result;
+}
+
+absl::Status Store::DropCorruptReadBlock(uint64_t lease_id, size_t block) {
+  Entry* entry;
+  uint64_t serial;
+  {
+    MutexLock lock(&lease_mu_);
+    auto it = read_leases_.find(lease_id);
+    if (it == read_leases_.end()) {
+      return absl::FailedPreconditionError(kStaleReadLease);
+    }
+    if (block >= it->second->entries.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block ", block, " is outside the read's ",
+                       it->second->entries.size(), " blocks"));
+    }
+    // Pinned by the lease while it is in the table: the serial is its.
+    entry = it->second->entries[block];
+    serial = entry->serial;
+  }
+  // Shard mutex after, not under, lease_mu_. Should the lease end
+  // meanwhile (against the contract) and the slot be reused, the serial
+  // no longer matches and nothing is dropped.
+  DropCorrupt(entry, serial);
+  return absl::OkStatus();
 }
 
 // ------------------------------------------------------------------- delete
@@ -1808,7 +1925,8 @@ StoreStats Store::Stats() const {
 }
 
 absl::Status Store::CorruptBlockForTest(const std::string& ns_name,
-                                        const std::string& key, bool header) {
+                                        const std::string& key, bool header,
+                                        uint64_t payload_offset) {
   absl::StatusOr<NamespaceRef> ns = FindNamespace(ns_name);
   if (!ns.ok()) return ns.status();
   KeyRef ref = MakeKeyRef((*ns)->id, key);
@@ -1816,9 +1934,21 @@ absl::Status Store::CorruptBlockForTest(const std::string& ns_name,
   MutexLock lock(&shard.mu);
   Entry* entry = Find(shard, ref);
   if (entry == nullptr) return absl::NotFoundError("block is not stored");
-  uint64_t offset =
-      header ? uint64_t{entry->pages.first} * sizeof(BlockHeader) + 20
-             : pool_.PageOffset(entry->pages.first);
+  uint64_t offset = uint64_t{entry->pages.first} * sizeof(BlockHeader) + 20;
+  if (!header) {
+    std::optional<uint64_t> found;
+    absl::Status s = pool_.ForEachRun(
+        entry->pages, payload_offset + 1,
+        [&](uint64_t run, size_t at, size_t n) {
+          if (payload_offset >= at && payload_offset < at + n) {
+            found = run + (payload_offset - at);
+          }
+          return absl::OkStatus();
+        });
+    if (!s.ok()) return s;
+    if (!found) return absl::OutOfRangeError("offset is past the block");
+    offset = *found;
+  }
   uint8_t byte;
   if (absl::Status s = arena_->Read(offset, &byte, 1); !s.ok()) return s;
   byte ^= header ? 0x01 : 0x5A;

@@ -19,10 +19,13 @@
 //  * Accounting (used bytes, blocks/tokens per codec) changes exactly when a
 //    block enters or leaves the store or is re-encoded, so Stats() equals
 //    the bytes held whenever no call is in flight.
-//  * A block's header sits in the header-slab slot of its first page; the
-//    payload fills its pages from the first byte. Every read verifies header
-//    and payload checksum; a failure answers DATA_LOSS, drops the block and
-//    counts it.
+//  * A block's header sits in the header-slab slot of its first page, its
+//    layer checksums in the slots of the pages after it (where it has
+//    enough pages, WriteBlockMetadata); the payload fills its pages from the
+//    first byte. Every read verifies header and payload checksum, or hands
+//    the header-checked layer checksums to a caller that checks the bytes
+//    as it moves them (ReadOptions::caller_verifies); a failure answers
+//    DATA_LOSS, drops the block and counts it.
 //
 // Leases: the lease table owns every open lease between calls (their ids
 // cross the wire); code that works on one takes it out as a WriteClaim or
@@ -198,6 +201,12 @@ struct ReadBlock {
   // arena, in order, and `data` is empty. Valid until the read lease ends:
   // pinned pages are neither reused nor rewritten.
   std::vector<absl::Span<const uint8_t>> spans;
+  // With ReadOptions::caller_verifies, for a block read in place whose
+  // payload BeginRead did not checksum: where each layer ends in the spans'
+  // bytes and the xxh3-64 it must have (their digest matched the header).
+  // Both empty when BeginRead checked the whole block.
+  std::vector<uint64_t> unchecked_layer_ends;
+  std::vector<uint64_t> unchecked_layer_sums;
   uint64_t size() const {
     if (spans.empty()) return data.size();
     uint64_t n = 0;
@@ -217,6 +226,13 @@ struct ReadOptions {
   bool keep_lease = false;
   bool allow_missing = false;
   bool in_place = false;
+  // With in_place: a block read in place has its header and its layer
+  // checksums' digest checked, not its payload. The caller must checksum
+  // each layer's bytes (ReadBlock::unchecked_layer_sums) before they are
+  // used, e.g. in the pass that copies them, and report a mismatch with
+  // DropCorruptReadBlock. What BeginRead does not read it cannot reject:
+  // a corrupt block is then found by the caller, mid-transfer.
+  bool caller_verifies = false;
   // Who the kept lease belongs to; a pin_lease_id must be this holder's.
   uint32_t holder = 0;
 };
@@ -367,7 +383,8 @@ class Store {
   // stored bytes (a raw read, or an fp16 block read as fp16) is verified
   // where it lies and returned as spans of the arena instead of a copy;
   // the others are copied (decoded) as usual. The caller must not use the
-  // spans after EndLease or the lease's TTL.
+  // spans after EndLease or the lease's TTL. With caller_verifies as well,
+  // such a block's payload is not checksummed here (see ReadOptions).
   absl::StatusOr<ReadResult> BeginRead(const std::string& ns,
                                        absl::Span<const std::string> keys,
                                        const ReadOptions& options);
@@ -379,6 +396,12 @@ class Store {
   // its TTL and ends only by EndLease. FAILED_PRECONDITION for an unknown or
   // expired id.
   absl::Status HoldReadLease(uint64_t lease_id);
+  // Block `block` (its index in ReadResult::blocks) of held read lease
+  // `lease_id` failed its caller's check (ReadOptions::caller_verifies): it
+  // is dropped and counted as data loss, as BeginRead drops a corrupt block;
+  // the lease keeps its pin until it ends. FAILED_PRECONDITION for an
+  // unknown lease, INVALID_ARGUMENT for an index outside it.
+  absl::Status DropCorruptReadBlock(uint64_t lease_id, size_t block);
 
   absl::StatusOr<uint32_t> Delete(const std::string& ns,
                                   absl::Span<const std::string> keys);
@@ -421,11 +444,12 @@ class Store {
   // KIVI's residual window. Returns the number of blocks re-encoded.
   int RunMaintenance(absl::Time now);
 
-  // Test hook: flips one byte of a stored block's payload (or of its
-  // header) in place, to show that reads detect corruption. NOT_FOUND when
-  // the block is absent.
+  // Test hook: flips one byte of a stored block's payload (the one at
+  // payload_offset) or of its header in place, to show that reads detect
+  // corruption. NOT_FOUND when the block is absent.
   absl::Status CorruptBlockForTest(const std::string& ns,
-                                   const std::string& key, bool header = false);
+                                   const std::string& key, bool header = false,
+                                   uint64_t payload_offset = 0);
 
  private:
   struct Namespace;
@@ -487,9 +511,9 @@ class Store {
   // dropped its own link, so nothing cascades). Takes its shard's mutex.
   void UnlinkParent(Entry* parent);
   // Counts a block that failed verification as data loss and takes it out
-  // of the index; a caller's pin stays (its pages are freed at the last
-  // unpin). Takes the shard mutex.
-  void DropCorrupt(Entry* entry);
+  // of the index, if `entry` is still the block of `serial`; a caller's pin
+  // stays (its pages are freed at the last unpin). Takes the shard mutex.
+  void DropCorrupt(Entry* entry, uint64_t serial);
   void UnpinAll(const std::vector<Entry*>& entries);
   // BeginRead's first step: pins the stored blocks of `keys` (entries, at
   // `positions` in keys) and lists the absent ones in `missing`; without
@@ -528,7 +552,7 @@ class Store {
   // commit or a StageBlock is using is left alone.
   bool ReleaseWriteLease(uint64_t id, bool if_idle = false);
   // Encodes one fp16 block as its namespace stores new blocks and writes
-  // header and payload into `pages`, which the caller owns.
+  // header, layer checksums and payload into `pages`, which the caller owns.
   absl::Status EncodeToPages(const Namespace& ns, absl::string_view key,
                              absl::Span<const uint8_t> fp16,
                              const PageList& pages);
@@ -538,6 +562,21 @@ class Store {
   void QueueWindowExit(const Namespace& ns, Entry* newest);
   bool Reencode(const ReencodeJob& job);
   absl::Status WriteHeader(uint32_t first_page, const BlockHeader& header);
+  // A block's layer checksums live in the header slots of its pages after
+  // the first (9 to a slot), which no header uses; a block of too few pages
+  // for them has none (a reader then checksums it whole). The header's
+  // payload checksum is their digest, so a reader trusts them only once it
+  // matches. The slots holding `count` sums of `pages`; empty if too few.
+  std::vector<uint32_t> LayerSumSlots(const PageList& pages,
+                                      size_t count) const;
+  // The header, and on a host arena the layer checksums where the pages
+  // have slots for them.
+  absl::Status WriteBlockMetadata(const PageList& pages,
+                                  const BlockHeader& header,
+                                  absl::Span<const uint64_t> layer_sums);
+  // False where the block has no slots for them (or the arena fails).
+  bool ReadLayerSums(const PageList& pages, size_t count,
+                     std::vector<uint64_t>* sums) const;
   absl::Status ReadHeader(uint32_t first_page, BlockHeader* header) const;
 
   const StoreOptions options_;

@@ -250,6 +250,115 @@ TEST(StoreTest, InPlaceReadOfACorruptBlockIsDataLossAndDropsIt) {
             2u);
 }
 
+// The payload checksum is a digest of per-layer checksums, so one layer can
+// be checked alone; the pieces a block lies in do not change it.
+TEST(StoreTest, APayloadChecksumIsTheDigestOfItsLayersChecksums) {
+  const kernels::BlockShape shape = SmallShape();
+  for (Codec codec : {Codec::kNone, Codec::kFp8E4M3, Codec::kKivi4}) {
+    kernels::CodecPolicy policy;
+    policy.codec = codec;
+    ASSERT_TRUE(kernels::ValidatePolicy(shape, policy).ok());
+    std::vector<uint8_t> payload(kernels::EncodedBlockBytes(shape, policy));
+    for (size_t i = 0; i < payload.size(); ++i) payload[i] = i * 131 % 251;
+    const std::vector<uint64_t> ends =
+        ChecksumLayerEnds(shape, policy, payload.size());
+    ASSERT_EQ(ends.size(), shape.num_layers);
+    const std::vector<uint64_t> sums = LayerChecksums(payload, ends);
+    EXPECT_EQ(PayloadChecksum(shape, policy, payload),
+              CombineLayerChecksums(sums));
+    EXPECT_EQ(MakeBlockHeader(shape, policy, 7, "k", payload).payload_checksum,
+              CombineLayerChecksums(sums));
+    // Split at odd places, across the layer bound.
+    const absl::Span<const uint8_t> all(payload);
+    const std::vector<absl::Span<const uint8_t>> pieces = {
+        all.subspan(0, 3), all.subspan(3, ends[0] - 3 + 5),
+        all.subspan(ends[0] + 5)};
+    EXPECT_EQ(LayerChecksums(pieces, ends), sums);
+    // One byte of layer 1 changed: layer 0's checksum stays, layer 1's not.
+    payload[ends[0] + 1] ^= 0x10;
+    const std::vector<uint64_t> changed = LayerChecksums(payload, ends);
+    EXPECT_EQ(changed[0], sums[0]);
+    EXPECT_NE(changed[1], sums[1]);
+  }
+  // Where the layers cannot be told apart, the payload is one piece.
+  kernels::CodecPolicy none;
+  EXPECT_EQ(ChecksumLayerEnds(shape, none, 5), std::vector<uint64_t>{5});
+}
+
+// caller_verifies: BeginRead checks headers and the layer checksums'
+// digest but leaves the payload to the caller, who finds a corrupt layer
+// by its checksum and has the block dropped.
+TEST(StoreTest, ACallerThatVerifiesGetsLayerChecksumsAndDropsWhatFails) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 3).ok());
+  const uint64_t layer_bytes = kernels::Fp16BlockBytes(SmallShape()) / 2;
+  ASSERT_TRUE(
+      store
+          ->CorruptBlockForTest("ns", Key(1), /*header=*/false, layer_bytes + 7)
+          .ok());
+  ReadOptions options = InPlace(Leased(ReadFormat::kRaw, absl::Seconds(30)));
+  options.caller_verifies = true;
+  auto read = store->BeginRead("ns", Keys(0, 3), options);
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_EQ(read->blocks.size(), 3u);
+  for (size_t b = 0; b < 3; ++b) {
+    const ReadBlock& block = read->blocks[b];
+    ASSERT_FALSE(block.spans.empty());
+    EXPECT_EQ(block.unchecked_layer_ends,
+              (std::vector<uint64_t>{layer_bytes, 2 * layer_bytes}));
+    const std::vector<uint64_t> sums =
+        LayerChecksums(block.spans, block.unchecked_layer_ends);
+    EXPECT_EQ(sums[0], block.unchecked_layer_sums[0]) << "block " << b;
+    EXPECT_EQ(sums[1] == block.unchecked_layer_sums[1], b != 1)
+        << "block " << b;
+  }
+  EXPECT_EQ(store->Stats().data_loss_events, 0u);
+  EXPECT_EQ(store->DropCorruptReadBlock(read->lease_id, 3).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(store->DropCorruptReadBlock(read->lease_id, 1).ok());
+  EXPECT_EQ(store->Stats().data_loss_events, 1u);
+  ASSERT_TRUE(store->EndLease(read->lease_id).ok());
+  EXPECT_EQ(store->DropCorruptReadBlock(read->lease_id, 0).code(),
+            absl::StatusCode::kFailedPrecondition);
+  StoreStats s = store->Stats();
+  EXPECT_EQ(s.pinned_bytes, 0u);
+  EXPECT_EQ(store->Lookup("ns", Keys(0, 3), false, absl::ZeroDuration())
+                ->prefix_blocks,
+            1u);
+
+  // A header is still checked at once, as is every block of a read that
+  // does not promise to check.
+  ASSERT_TRUE(store->CorruptBlockForTest("ns", Key(2), /*header=*/true).ok());
+  EXPECT_EQ(store->BeginRead("ns", Keys(2, 1), options).status().code(),
+            absl::StatusCode::kDataLoss);
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 5, 1).ok());
+  ASSERT_TRUE(
+      store->CorruptBlockForTest("ns", Key(5), false, layer_bytes).ok());
+  options.caller_verifies = false;
+  EXPECT_EQ(store->BeginRead("ns", Keys(5, 1), options).status().code(),
+            absl::StatusCode::kDataLoss);
+
+  // A block of one page has no slot for its layer checksums: it is checked
+  // whole, here, whatever the caller promises.
+  StoreOptions big_pages;
+  big_pages.page_size = 64 << 10;
+  auto arena = CreateArena({MemoryKind::kHost, 0, 8 << 20});
+  ASSERT_TRUE(arena.ok());
+  auto one_page = Store::Create(big_pages, *std::move(arena));
+  ASSERT_TRUE(one_page.ok()) << one_page.status();
+  ASSERT_TRUE((*one_page)->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(one_page->get(), "ns", 0, 2).ok());
+  options.caller_verifies = true;
+  auto whole = (*one_page)->BeginRead("ns", Keys(0, 2), options);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_TRUE(whole->blocks[0].unchecked_layer_sums.empty());
+  ASSERT_TRUE((*one_page)->EndLease(whole->lease_id).ok());
+  ASSERT_TRUE((*one_page)->CorruptBlockForTest("ns", Key(1), false, 9).ok());
+  EXPECT_EQ((*one_page)->BeginRead("ns", Keys(0, 2), options).status().code(),
+            absl::StatusCode::kDataLoss);
+}
+
 TEST(StoreTest, InPlaceReadWithAllowMissingListsACorruptBlockAsMissing) {
   auto store = MakeStore(1 << 20);
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());

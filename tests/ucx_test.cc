@@ -31,6 +31,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/read_decode.h"
@@ -622,6 +623,69 @@ TEST_P(UcxTest, EachLayerIsThereWhenItIsReportedHoweverTheCopiesFinish) {
   if (!GetParam().tcp()) {
     EXPECT_GT(node_->data_plane()->Stats().copied_reads, 0u);
   }
+}
+
+// The node checks each layer of a block it reads in place as it copies it
+// (shared memory) or before it sends it (tcp), not in BeginRead: a corrupt
+// layer fails the read with DATA_LOSS before that layer is reported, the
+// layers reported before it are exact, and the block is dropped.
+TEST_P(UcxTest, ACorruptLayerFailsTheReadBeforeItIsReported) {
+  const kernels::BlockShape shape{4, 8, 128, 32};
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("checked", Codec::kNone, shape)).ok());
+  constexpr int kBlocks = 8;
+  ASSERT_TRUE(PutChain(client_.get(), "checked", shape, 0, kBlocks).ok());
+  const size_t stride = kernels::Fp16BlockBytes(shape);
+  const size_t layer = stride / shape.num_layers;
+  constexpr uint32_t kCorruptLayer = 2;
+  ASSERT_TRUE(node_->store()
+                  ->CorruptBlockForTest("checked", Key(5), /*header=*/false,
+                                        kCorruptLayer * layer + 3)
+                  .ok());
+  auto buffer = client_->AllocateBuffer(kBlocks * stride);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  std::memset((*buffer)->data(), 0xEE, (*buffer)->size());
+  auto read = client_->GetInto("checked", Keys(0, kBlocks), ReadFormat::kFp16,
+                               (*buffer)->span(), stride);
+  ASSERT_TRUE(read.ok()) << read.status();
+  absl::Status failed;
+  for (uint32_t l = 0; l < shape.num_layers && failed.ok(); ++l) {
+    failed = (*read)->WaitLayer(l);
+    if (!failed.ok()) break;
+    ASSERT_LT(l, kCorruptLayer) << "the corrupt layer was reported";
+    for (int b = 0; b < kBlocks; ++b) {
+      const uint8_t* want =
+          reinterpret_cast<const uint8_t*>(data_[b].data()) + l * layer;
+      ASSERT_EQ(
+          std::memcmp((*buffer)->data() + b * stride + l * layer, want, layer),
+          0)
+          << "layer " << l << " of block " << b << " was reported wrong";
+    }
+  }
+  EXPECT_EQ(failed.code(), absl::StatusCode::kDataLoss) << failed;
+  EXPECT_TRUE(absl::StrContains(failed.message(), "block 5")) << failed;
+  EXPECT_EQ((*read)->Wait().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(node_->store()->Stats().data_loss_events, 1u);
+  EXPECT_EQ(
+      client_->Get("checked", Keys(5, 1), ReadFormat::kRaw).status().code(),
+      absl::StatusCode::kNotFound);
+  // The rest reads as before.
+  auto rest = client_->Get("checked", Keys(0, 5), ReadFormat::kFp16);
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  for (int b = 0; b < 5; ++b) {
+    ASSERT_EQ(rest->blocks[b].bytes.size(), stride);
+    EXPECT_EQ(
+        std::memcmp(rest->blocks[b].bytes.data(), data_[b].data(), stride), 0)
+        << "block " << b;
+  }
+  const ucx::DataPlaneStats stats = node_->data_plane()->Stats();
+  if (GetParam().tcp()) {
+    EXPECT_GT(stats.reads_checked_before_sending, 0u);
+    EXPECT_EQ(stats.reads_checked_while_copying, 0u);
+  } else {
+    EXPECT_GT(stats.reads_checked_while_copying, 0u);
+  }
+  ExpectNothingHeld(absl::Seconds(5));
 }
 
 // Where the node maps a client's long-lived buffer (shared memory), it

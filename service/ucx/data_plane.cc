@@ -16,6 +16,11 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "base/log.h"
+#define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
+#include "xxhash.h"
+#if defined(__x86_64__)
+#include "xxh_x86dispatch.h"
+#endif
 #include "base/populate.h"
 #include "kernels/codec.h"
 #include "transport/status.h"
@@ -36,6 +41,9 @@ constexpr uint64_t kBytesInFlight = 8ull << 20;
 // Where the node copies a read into the client's mapped memory itself
 // (CopySlice), the bytes one pool task copies.
 constexpr uint64_t kCopyTaskBytes = 4ull << 20;
+// A copy that checks what it copies goes in chunks this size: each chunk's
+// source is hashed right after its copy, while it is still in the cache.
+constexpr uint64_t kCheckChunkBytes = 64ull << 10;
 
 // [address, address + length) of the client memory `rkey` covers, as one
 // mapping in this process (shared memory); null when it is not one (or
@@ -151,6 +159,11 @@ struct DataPlane::ReadSession {
   std::vector<uint8_t*> mapped;
   std::vector<bool> slice_copied;  // per slice, once its copies are done
   uint32_t slices_reported = 0;    // statuses sent, in slice order
+  // Blocks handed over unchecked (ReadBlock::unchecked_layer_sums) are
+  // checked by the copy tasks (check_in_copies) or, before any slice is
+  // posted, by check_tasks pool tasks (CheckThenPost).
+  bool check_in_copies = false;
+  uint32_t check_tasks = 0;
   // Set when the read ends (FinishRead); pool threads read it (they hold
   // the session): copies not yet begun are skipped.
   std::atomic<bool> stop_copies{false};
@@ -360,6 +373,8 @@ DataPlaneStats DataPlane::Stats() const {
   s.prefaulted_buffer_bytes = prefaulted_buffer_bytes_.load();
   s.message_reads = message_reads_.load();
   s.copied_reads = copied_reads_.load();
+  s.reads_checked_while_copying = reads_checked_while_copying_.load();
+  s.reads_checked_before_sending = reads_checked_before_sending_.load();
   MutexLock lock(&mu_);
   s.write_sessions = static_cast<uint32_t>(writes_.size());
   s.read_sessions = static_cast<uint32_t>(reads_.size());
@@ -1135,7 +1150,105 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
   session->slice_sends.assign(session->slices, 0);
   session->slice_bytes.assign(session->slices, 0);
   if (!by_messages) MapDestinations(*session);
+  bool unchecked = false;
+  for (const store::ReadBlock& block : session->result.blocks) {
+    unchecked = unchecked || !block.unchecked_layer_sums.empty();
+  }
+  if (unchecked && !session->mapped.empty() && ChecksFollowSlices(*session)) {
+    session->check_in_copies = true;
+    reads_checked_while_copying_.fetch_add(1);
+  } else if (unchecked) {
+    reads_checked_before_sending_.fetch_add(1);
+    CheckThenPost(session);
+    return;
+  }
   PostNextSlices(session);
+}
+
+bool DataPlane::ChecksFollowSlices(const ReadSession& session) {
+  for (size_t b = 0; b < session.result.blocks.size(); ++b) {
+    const std::vector<uint64_t>& ends =
+        session.result.blocks[b].unchecked_layer_ends;
+    if (ends.empty()) continue;
+    auto on_bound = [&](uint64_t at) {
+      return at == 0 || std::binary_search(ends.begin(), ends.end(), at);
+    };
+    for (uint32_t slice = 0; slice < session.slices; ++slice) {
+      uint64_t start, end;
+      if (SliceRange(session, slice, b, &start, &end) &&
+          (!on_bound(start) || !on_bound(end))) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+void DataPlane::CheckThenPost(const std::shared_ptr<ReadSession>& session) {
+  // Tasks of whole blocks, about kCopyTaskBytes each.
+  std::vector<std::vector<size_t>> tasks(1);
+  uint64_t task_bytes = 0;
+  for (size_t b = 0; b < session->result.blocks.size(); ++b) {
+    const store::ReadBlock& block = session->result.blocks[b];
+    if (block.unchecked_layer_sums.empty()) continue;
+    if (task_bytes >= kCopyTaskBytes) {
+      tasks.emplace_back();
+      task_bytes = 0;
+    }
+    tasks.back().push_back(b);
+    task_bytes += block.size();
+  }
+  for (std::vector<size_t>& blocks : tasks) {
+    ++session->outstanding;
+    ++session->check_tasks;
+    loop_->AddBusy(1);
+    executor_([this, session, blocks = std::move(blocks)] {
+      // The first corrupt layer found: (block, layer).
+      std::optional<std::pair<size_t, uint32_t>> corrupt;
+      for (size_t b : blocks) {
+        if (corrupt || session->stop_copies.load(std::memory_order_relaxed)) {
+          break;
+        }
+        const store::ReadBlock& block = session->result.blocks[b];
+        const std::vector<uint64_t> sums =
+            store::LayerChecksums(block.spans, block.unchecked_layer_ends);
+        for (uint32_t l = 0; l < sums.size(); ++l) {
+          if (sums[l] != block.unchecked_layer_sums[l]) {
+            corrupt.emplace(b, l);
+            break;
+          }
+        }
+      }
+      loop_->Post([this, session, corrupt] {
+        loop_->AddBusy(-1);
+        --session->outstanding;
+        if (corrupt) FailCorrupt(*session, corrupt->first, corrupt->second);
+        if (--session->check_tasks == 0 && !session->finished) {
+          if (session->error.ok()) {
+            PostNextSlices(session);
+          } else {
+            FinishRead(session, session->error);
+          }
+        }
+        ReleaseIfIdle(*session);
+      });
+    });
+  }
+}
+
+void DataPlane::FailCorrupt(ReadSession& session, size_t block,
+                            uint32_t layer) {
+  // The claim holds the lease until the read is released, on this thread.
+  if (absl::Status dropped = session.claim.DropCorruptBlock(block);
+      !dropped.ok()) {
+    LogError(absl::StrCat("read ", session.id, ": dropping corrupt block ",
+                          block, ": ", dropped.ToString()));
+  }
+  if (!session.error.ok()) return;
+  session.error = absl::DataLossError(absl::StrCat(
+      "block ", block, " of the read, layer ", layer,
+      ": stored block failed verification: payload checksum mismatch; the "
+      "block was dropped"));
 }
 
 void DataPlane::MapDestinations(ReadSession& session) {
@@ -1198,80 +1311,157 @@ void DataPlane::PostNextSlice(const std::shared_ptr<ReadSession>& session) {
   SliceSent(session, slice);
 }
 
-void DataPlane::ForEachPiece(
-    const ReadSession& session, uint32_t slice,
-    absl::FunctionRef<void(const uint8_t*, uint64_t, size_t, uint64_t)> fn) {
-  const bool per_layer = session.slices > 1;
-  for (size_t b = 0; b < session.result.blocks.size(); ++b) {
-    const store::ReadBlock& block = session.result.blocks[b];
-    const uint64_t size = block.size();
-    const std::vector<uint64_t>& ends = session.layer_ends[b];
-    uint64_t start = 0;
-    uint64_t end = size;
-    if (per_layer && ends.size() == session.num_layers) {
-      start = slice == 0 ? 0 : ends[slice - 1];
-      end = ends[slice];
-    } else if (slice > 0) {
-      continue;  // a block whose layers are not separable went whole
-    }
-    if (end <= start || end > size) continue;
-    if (block.spans.empty()) {
-      fn(reinterpret_cast<const uint8_t*>(block.data.data()) + start,
-         end - start, b, start);
-      continue;
-    }
-    // In place: the slice may cross page runs; one piece per run, straight
-    // from the pinned arena pages.
-    uint64_t at = 0;
-    for (absl::Span<const uint8_t> span : block.spans) {
-      const uint64_t lo = std::max(start, at);
-      const uint64_t hi = std::min(end, at + span.size());
-      if (lo < hi) fn(span.data() + (lo - at), hi - lo, b, lo);
-      at += span.size();
-      if (at >= end) break;
-    }
+bool DataPlane::SliceRange(const ReadSession& session, uint32_t slice, size_t b,
+                           uint64_t* start, uint64_t* end) {
+  const uint64_t size = session.result.blocks[b].size();
+  const std::vector<uint64_t>& ends = session.layer_ends[b];
+  *start = 0;
+  *end = size;
+  if (session.slices > 1 && ends.size() == session.num_layers) {
+    *start = slice == 0 ? 0 : ends[slice - 1];
+    *end = ends[slice];
+  } else if (slice > 0) {
+    return false;  // a block whose layers are not separable went whole
+  }
+  return *start < *end && *end <= size;
+}
+
+void DataPlane::ForEachRun(
+    const store::ReadBlock& block, uint64_t start, uint64_t end,
+    absl::FunctionRef<void(const uint8_t*, uint64_t, uint64_t)> fn) {
+  if (block.spans.empty()) {
+    fn(reinterpret_cast<const uint8_t*>(block.data.data()) + start, end - start,
+       start);
+    return;
+  }
+  // In place: the range may cross page runs; one piece per run, straight
+  // from the pinned arena pages.
+  uint64_t at = 0;
+  for (absl::Span<const uint8_t> span : block.spans) {
+    const uint64_t lo = std::max(start, at);
+    const uint64_t hi = std::min(end, at + span.size());
+    if (lo < hi) fn(span.data() + (lo - at), hi - lo, lo);
+    at += span.size();
+    if (at >= end) break;
   }
 }
 
+void DataPlane::ForEachPiece(
+    const ReadSession& session, uint32_t slice,
+    absl::FunctionRef<void(const uint8_t*, uint64_t, size_t, uint64_t)> fn) {
+  for (size_t b = 0; b < session.result.blocks.size(); ++b) {
+    uint64_t start, end;
+    if (!SliceRange(session, slice, b, &start, &end)) continue;
+    ForEachRun(session.result.blocks[b], start, end,
+               [&](const uint8_t* src, uint64_t length, uint64_t offset) {
+                 fn(src, length, b, offset);
+               });
+  }
+}
+
+namespace {
+
+// One contiguous copy of a copy task; with `checked`, its source is hashed
+// into the running layer checksum, and with `ends_layer` that checksum must
+// then equal `expected` (layer `layer` of block `block`).
+struct CopyPiece {
+  uint8_t* dst;
+  const uint8_t* src;
+  uint64_t length;
+  bool checked = false;
+  bool ends_layer = false;
+  uint32_t layer = 0;
+  size_t block = 0;
+  uint64_t expected = 0;
+};
+
+// Copies the pieces in order; returns the first (block, layer) whose bytes
+// do not match their checksum (the task stops there), or nullopt. `stop`
+// ends it early (*stopped).
+std::optional<std::pair<size_t, uint32_t>> CopyAndCheck(
+    absl::Span<const CopyPiece> pieces, const std::atomic<bool>& stop,
+    bool* stopped) {
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
+  for (const CopyPiece& piece : pieces) {
+    if (stop.load(std::memory_order_relaxed)) {
+      *stopped = true;
+      return std::nullopt;
+    }
+    if (!piece.checked) {
+      std::memcpy(piece.dst, piece.src, piece.length);
+      continue;
+    }
+    for (uint64_t at = 0; at < piece.length; at += kCheckChunkBytes) {
+      const uint64_t n = std::min(kCheckChunkBytes, piece.length - at);
+      std::memcpy(piece.dst + at, piece.src + at, n);
+      XXH3_64bits_update(&state, piece.src + at, n);
+    }
+    if (piece.ends_layer) {
+      if (XXH3_64bits_digest(&state) != piece.expected) {
+        return std::make_pair(piece.block, piece.layer);
+      }
+      XXH3_64bits_reset(&state);
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
                           uint32_t slice) {
-  struct Piece {
-    uint8_t* dst;
-    const uint8_t* src;
-    uint64_t length;
-  };
   // Tasks of about kCopyTaskBytes, so that a large slice is copied by
-  // several pool threads at once.
-  std::vector<std::vector<Piece>> tasks(1);
+  // several pool threads at once; a task ends only between blocks, so that
+  // each checked layer is hashed by one task.
+  std::vector<std::vector<CopyPiece>> tasks(1);
   uint64_t task_bytes = 0;
-  ForEachPiece(
-      *session, slice,
-      [&](const uint8_t* src, uint64_t length, size_t b, uint64_t start) {
-        if (task_bytes >= kCopyTaskBytes) {
-          tasks.emplace_back();
-          task_bytes = 0;
-        }
-        tasks.back().push_back({session->mapped[b] + start, src, length});
-        task_bytes += length;
-        session->slice_bytes[slice] += length;
-      });
-  for (std::vector<Piece>& pieces : tasks) {
+  for (size_t b = 0; b < session->result.blocks.size(); ++b) {
+    uint64_t start, end;
+    if (!SliceRange(*session, slice, b, &start, &end)) continue;
+    if (task_bytes >= kCopyTaskBytes) {
+      tasks.emplace_back();
+      task_bytes = 0;
+    }
+    std::vector<CopyPiece>& pieces = tasks.back();
+    const store::ReadBlock& block = session->result.blocks[b];
+    auto add = [&](const uint8_t* src, uint64_t length, uint64_t offset) {
+      pieces.push_back({session->mapped[b] + offset, src, length});
+    };
+    task_bytes += end - start;
+    session->slice_bytes[slice] += end - start;
+    if (!session->check_in_copies || block.unchecked_layer_sums.empty()) {
+      ForEachRun(block, start, end, add);
+      continue;
+    }
+    // ChecksFollowSlices: [start, end) is whole checked layers.
+    const std::vector<uint64_t>& ends = block.unchecked_layer_ends;
+    for (uint32_t l = 0; l < ends.size(); ++l) {
+      const uint64_t lo = l == 0 ? 0 : ends[l - 1];
+      if (lo < start || ends[l] > end || lo == ends[l]) continue;
+      const size_t first = pieces.size();
+      ForEachRun(block, lo, ends[l], add);
+      for (size_t i = first; i < pieces.size(); ++i) pieces[i].checked = true;
+      CopyPiece& last = pieces.back();
+      last.ends_layer = true;
+      last.layer = l;
+      last.block = b;
+      last.expected = block.unchecked_layer_sums[l];
+    }
+  }
+  for (std::vector<CopyPiece>& pieces : tasks) {
     if (pieces.empty()) continue;
     ++session->outstanding;
     ++session->slice_sends[slice];
     loop_->AddBusy(1);
     executor_([this, session, slice, pieces = std::move(pieces)] {
       bool stopped = false;
-      for (const Piece& piece : pieces) {
-        if (session->stop_copies.load(std::memory_order_relaxed)) {
-          stopped = true;
-          break;
-        }
-        std::memcpy(piece.dst, piece.src, piece.length);
-      }
-      loop_->Post([this, session, slice, stopped] {
+      const std::optional<std::pair<size_t, uint32_t>> corrupt =
+          CopyAndCheck(pieces, session->stop_copies, &stopped);
+      loop_->Post([this, session, slice, stopped, corrupt] {
         loop_->AddBusy(-1);
         --session->outstanding;
+        if (corrupt) FailCorrupt(*session, corrupt->first, corrupt->second);
         if (stopped && session->error.ok()) {
           session->error = absl::AbortedError("the read ended early");
         }

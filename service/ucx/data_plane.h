@@ -164,6 +164,12 @@ struct DataPlaneStats {
   // its worker pool, rather than by UCX puts on its progress thread, since
   // the start.
   uint64_t copied_reads = 0;
+  // Of the blocks the store handed over unchecked (their layers' checksums
+  // to be checked here, store::ReadOptions::caller_verifies), the reads
+  // whose checks ran in the pass that copies them (copied reads) and those
+  // checked before their first send, since the start.
+  uint64_t reads_checked_while_copying = 0;
+  uint64_t reads_checked_before_sending = 0;
   // Bytes of clients' long-lived buffers that the node mapped (shared
   // memory) and faulted in at once when it first got their keys
   // (PrefaultClientBuffer), since the start.
@@ -372,11 +378,34 @@ class DataPlane {
   static void ForEachPiece(
       const ReadSession& session, uint32_t slice,
       absl::FunctionRef<void(const uint8_t*, uint64_t, size_t, uint64_t)> fn);
+  // The bytes [*start, *end) of block `b` that `slice` moves; false when it
+  // moves none of them.
+  static bool SliceRange(const ReadSession& session, uint32_t slice, size_t b,
+                         uint64_t* start, uint64_t* end);
+  // fn(source, length, offset in the block) for each piece of [start, end)
+  // of `block` that is contiguous in the node's memory.
+  static void ForEachRun(
+      const store::ReadBlock& block, uint64_t start, uint64_t end,
+      absl::FunctionRef<void(const uint8_t*, uint64_t, uint64_t)> fn);
+  // Whether every slice of every unchecked block starts and ends on one of
+  // its checksummed layers' bounds, so that a copy task can check whole
+  // layers as it copies them.
+  static bool ChecksFollowSlices(const ReadSession& session);
+  // Checks every unchecked block of the read on the worker pool, then
+  // posts its slices; or drops what failed and ends the read DATA_LOSS.
+  void CheckThenPost(const std::shared_ptr<ReadSession>& session);
+  // A check found block `block`'s layer `layer` corrupt (loop thread): the
+  // store drops the block and the read fails, unless it failed already.
+  void FailCorrupt(ReadSession& session, size_t block, uint32_t layer);
   // Where the node maps every destination of the read (shared memory), sets
   // session.mapped: the pool then copies each slice (CopySlice) instead of
   // UCX putting it on the loop thread, and reports it once copied
   // (ReportCopiedSlices) instead of after a flush.
   void MapDestinations(ReadSession& session);
+  // Copies `slice` on the worker pool, in tasks of about kCopyTaskBytes;
+  // with session.check_in_copies each task also checksums each layer it
+  // copies, from the source just read, and a layer that does not match
+  // fails the read before its status can go.
   void CopySlice(const std::shared_ptr<ReadSession>& session, uint32_t slice);
   // Sends the statuses of the copied slices, in order; ends the read after
   // the last (or on an error, or once the connection is gone).
@@ -449,6 +478,8 @@ class DataPlane {
   std::atomic<uint64_t> pulled_blocks_{0};
   std::atomic<uint64_t> message_reads_{0};
   std::atomic<uint64_t> copied_reads_{0};
+  std::atomic<uint64_t> reads_checked_while_copying_{0};
+  std::atomic<uint64_t> reads_checked_before_sending_{0};
   std::atomic<uint64_t> prefaulted_buffer_bytes_{0};
   std::atomic<uint64_t> rejected_connections_{0};
 };
