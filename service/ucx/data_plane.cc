@@ -160,10 +160,13 @@ struct DataPlane::ReadSession {
   std::vector<bool> slice_copied;  // per slice, once its copies are done
   uint32_t slices_reported = 0;    // statuses sent, in slice order
   // Blocks handed over unchecked (ReadBlock::unchecked_layer_sums) are
-  // checked by the copy tasks (check_in_copies) or, before any slice is
-  // posted, by check_tasks pool tasks (CheckThenPost).
+  // checked by the copy tasks (check_in_copies) or by pool tasks before
+  // their slices are posted (CheckThenPost): slice_checks[s] of them still
+  // run for slice s (all for slice 0 when they check whole blocks), and
+  // the slices below slices_checked are checked and may be posted.
   bool check_in_copies = false;
-  uint32_t check_tasks = 0;
+  std::vector<uint32_t> slice_checks;
+  uint32_t slices_checked = 0;
   // Set when the read ends (FinishRead); pool threads read it (they hold
   // the session): copies not yet begun are skipped.
   std::atomic<bool> stop_copies{false};
@@ -1149,6 +1152,7 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
   session->slices = per_layer ? session->num_layers : 1;
   session->slice_sends.assign(session->slices, 0);
   session->slice_bytes.assign(session->slices, 0);
+  session->slices_checked = session->slices;  // unless CheckThenPost
   if (!by_messages) MapDestinations(*session);
   bool unchecked = false;
   for (const store::ReadBlock& block : session->result.blocks) {
@@ -1184,56 +1188,96 @@ bool DataPlane::ChecksFollowSlices(const ReadSession& session) {
   return true;
 }
 
-void DataPlane::CheckThenPost(const std::shared_ptr<ReadSession>& session) {
-  // Tasks of whole blocks, about kCopyTaskBytes each.
-  std::vector<std::vector<size_t>> tasks(1);
-  uint64_t task_bytes = 0;
-  for (size_t b = 0; b < session->result.blocks.size(); ++b) {
-    const store::ReadBlock& block = session->result.blocks[b];
-    if (block.unchecked_layer_sums.empty()) continue;
-    if (task_bytes >= kCopyTaskBytes) {
-      tasks.emplace_back();
-      task_bytes = 0;
-    }
-    tasks.back().push_back(b);
-    task_bytes += block.size();
+std::optional<uint32_t> DataPlane::FirstBadLayer(const store::ReadBlock& block,
+                                                 uint32_t first, uint32_t end) {
+  const std::vector<uint64_t>& ends = block.unchecked_layer_ends;
+  XXH3_state_t state;
+  for (uint32_t l = first; l < end; ++l) {
+    XXH3_64bits_reset(&state);
+    ForEachRun(block, l == 0 ? 0 : ends[l - 1], ends[l],
+               [&](const uint8_t* src, uint64_t length, uint64_t) {
+                 XXH3_64bits_update(&state, src, length);
+               });
+    if (XXH3_64bits_digest(&state) != block.unchecked_layer_sums[l]) return l;
   }
-  for (std::vector<size_t>& blocks : tasks) {
-    ++session->outstanding;
-    ++session->check_tasks;
-    loop_->AddBusy(1);
-    executor_([this, session, blocks = std::move(blocks)] {
-      // The first corrupt layer found: (block, layer).
-      std::optional<std::pair<size_t, uint32_t>> corrupt;
-      for (size_t b : blocks) {
-        if (corrupt || session->stop_copies.load(std::memory_order_relaxed)) {
-          break;
-        }
-        const store::ReadBlock& block = session->result.blocks[b];
-        const std::vector<uint64_t> sums =
-            store::LayerChecksums(block.spans, block.unchecked_layer_ends);
-        for (uint32_t l = 0; l < sums.size(); ++l) {
-          if (sums[l] != block.unchecked_layer_sums[l]) {
-            corrupt.emplace(b, l);
+  return std::nullopt;
+}
+
+void DataPlane::CheckThenPost(const std::shared_ptr<ReadSession>& session) {
+  // Slice by slice where the slices are whole checked layers, so that the
+  // first layer goes once it is checked while the pool checks the next;
+  // otherwise whole blocks, all before slice 0. Tasks of about
+  // kCopyTaskBytes: (block, first layer, end layer) each.
+  struct Unit {
+    size_t block;
+    uint32_t first, end;
+  };
+  const bool by_slice = ChecksFollowSlices(*session);
+  session->slice_checks.assign(session->slices, 0);
+  session->slices_checked = 0;
+  for (uint32_t slice = 0; slice < (by_slice ? session->slices : 1); ++slice) {
+    std::vector<std::vector<Unit>> tasks(1);
+    uint64_t task_bytes = 0;
+    for (size_t b = 0; b < session->result.blocks.size(); ++b) {
+      const store::ReadBlock& block = session->result.blocks[b];
+      const std::vector<uint64_t>& ends = block.unchecked_layer_ends;
+      uint64_t start = 0, end = block.size();
+      if (ends.empty() ||
+          (by_slice && !SliceRange(*session, slice, b, &start, &end))) {
+        continue;
+      }
+      // The layers within [start, end) (ChecksFollowSlices when by_slice).
+      const auto first = static_cast<uint32_t>(
+          std::upper_bound(ends.begin(), ends.end(), start) - ends.begin());
+      const auto last = static_cast<uint32_t>(
+          std::lower_bound(ends.begin(), ends.end(), end) - ends.begin());
+      if (task_bytes >= kCopyTaskBytes) {
+        tasks.emplace_back();
+        task_bytes = 0;
+      }
+      tasks.back().push_back({b, first, last + 1});
+      task_bytes += end - start;
+    }
+    for (std::vector<Unit>& units : tasks) {
+      if (units.empty()) continue;
+      ++session->outstanding;
+      ++session->slice_checks[slice];
+      loop_->AddBusy(1);
+      executor_([this, session, slice, units = std::move(units)] {
+        std::optional<std::pair<size_t, uint32_t>> corrupt;
+        for (const Unit& u : units) {
+          if (session->stop_copies.load(std::memory_order_relaxed)) break;
+          const store::ReadBlock& block = session->result.blocks[u.block];
+          if (auto bad = FirstBadLayer(block, u.first, u.end)) {
+            corrupt.emplace(u.block, *bad);
             break;
           }
         }
-      }
-      loop_->Post([this, session, corrupt] {
-        loop_->AddBusy(-1);
-        --session->outstanding;
-        if (corrupt) FailCorrupt(*session, corrupt->first, corrupt->second);
-        if (--session->check_tasks == 0 && !session->finished) {
-          if (session->error.ok()) {
-            PostNextSlices(session);
-          } else {
+        loop_->Post([this, session, slice, corrupt] {
+          loop_->AddBusy(-1);
+          --session->outstanding;
+          --session->slice_checks[slice];
+          if (corrupt) FailCorrupt(*session, corrupt->first, corrupt->second);
+          if (!session->finished && !session->error.ok()) {
             FinishRead(session, session->error);
+          } else {
+            PostCheckedSlices(session);
           }
-        }
-        ReleaseIfIdle(*session);
+          ReleaseIfIdle(*session);
+        });
       });
-    });
+    }
   }
+  PostCheckedSlices(session);  // the slices that need no check, if any
+}
+
+void DataPlane::PostCheckedSlices(const std::shared_ptr<ReadSession>& session) {
+  if (session->finished) return;
+  while (session->slices_checked < session->slices &&
+         session->slice_checks[session->slices_checked] == 0) {
+    ++session->slices_checked;
+  }
+  PostNextSlices(session);
 }
 
 void DataPlane::FailCorrupt(ReadSession& session, size_t block,
@@ -1271,6 +1315,7 @@ void DataPlane::PostNextSlices(const std::shared_ptr<ReadSession>& session) {
   // and a read so sent was seen reported early (1 run in 60 under load).
   const bool window = !session->by_messages || session->sequenced;
   while (!session->finished && session->slices_posted < session->slices &&
+         session->slices_posted < session->slices_checked &&
          (!window || session->slices_in_flight < kMinSlicesInFlight ||
           session->bytes_in_flight < kBytesInFlight)) {
     PostNextSlice(session);

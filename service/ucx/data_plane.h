@@ -391,9 +391,17 @@ class DataPlane {
   // its checksummed layers' bounds, so that a copy task can check whole
   // layers as it copies them.
   static bool ChecksFollowSlices(const ReadSession& session);
-  // Checks every unchecked block of the read on the worker pool, then
-  // posts its slices; or drops what failed and ends the read DATA_LOSS.
+  // Checks the read's unchecked blocks on the worker pool and lets each
+  // slice be posted once it is checked (slice by slice where slices are
+  // whole checked layers, else all before the first); or drops what failed
+  // and ends the read DATA_LOSS.
   void CheckThenPost(const std::shared_ptr<ReadSession>& session);
+  // Moves slices_checked past the slices with no check left, and posts.
+  void PostCheckedSlices(const std::shared_ptr<ReadSession>& session);
+  // The first of layers [first, end) of `block` whose bytes do not match
+  // their checksum (ReadBlock::unchecked_layer_sums), or nullopt.
+  static std::optional<uint32_t> FirstBadLayer(const store::ReadBlock& block,
+                                               uint32_t first, uint32_t end);
   // A check found block `block`'s layer `layer` corrupt (loop thread): the
   // store drops the block and the read fails, unless it failed already.
   void FailCorrupt(ReadSession& session, size_t block, uint32_t layer);
