@@ -321,6 +321,15 @@ uint64_t HeaderSlabBytes(uint64_t arena_bytes, uint32_t page_size) {
   return (pages * sizeof(BlockHeader) + 4095) / 4096 * 4096;
 }
 
+// The pool's bytes after the slab: no more pages than the slab has slots
+// (the slab's rounding can leave room for a page more, whose slot would
+// lie on page 0's bytes).
+uint64_t PoolBytes(uint64_t arena_bytes, uint64_t slab_bytes,
+                   uint32_t page_size) {
+  const uint64_t slots = slab_bytes / sizeof(BlockHeader);
+  return std::min(arena_bytes - slab_bytes, slots * page_size);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Store>> Store::Create(
@@ -358,7 +367,8 @@ Store::Store(const StoreOptions& options, std::unique_ptr<Arena> arena)
           options.max_namespaces)),
       owners_(std::make_unique<OwnerAccount[]>(kMaxOwners)),
       pool_(arena_.get(), header_slab_bytes_,
-            arena_->size() - header_slab_bytes_, options.page_size),
+            PoolBytes(arena_->size(), header_slab_bytes_, options.page_size),
+            options.page_size),
       shards_(std::make_unique<Shard[]>(kNumShards)) {
   // The memory per cached block that store.h states.
   static_assert(sizeof(Entry) == 88, "store.h: an index entry is 88 bytes");
@@ -846,13 +856,14 @@ absl::Time Store::LeaseDeadline(absl::Duration ttl) const {
   return absl::Now() + std::min(ttl, options_.max_lease_ttl);
 }
 
-void Store::ReleaseReadLease(uint64_t id) {
+void Store::ReleaseReadLease(uint64_t id, bool unless_held) {
   std::unique_ptr<ReadLease> lease;
   {
     MutexLock lock(&lease_mu_);
-    auto node = read_leases_.extract(id);
-    if (node.empty()) return;
-    lease = std::move(node.mapped());
+    auto it = read_leases_.find(id);
+    if (it == read_leases_.end() || (unless_held && it->second->held)) return;
+    lease = std::move(it->second);
+    read_leases_.erase(it);
   }
   UnpinAll(lease->entries);
 }
@@ -1621,6 +1632,11 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
       return absl::FailedPreconditionError(
           "pin lease belongs to another namespace");
     }
+    // A held lease is a transfer's, which still reads its pages.
+    if (pin->second->held) {
+      return absl::FailedPreconditionError(
+          "pin lease is in use by a data-plane transfer");
+    }
   }
   ReadResult result;
   std::vector<Entry*> entries;
@@ -1630,7 +1646,9 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
       !s.ok()) {
     return s;
   }
-  if (options.pin_lease_id != 0) ReleaseReadLease(options.pin_lease_id);
+  if (options.pin_lease_id != 0) {
+    ReleaseReadLease(options.pin_lease_id, /*unless_held=*/true);
+  }
 
   result.ns = ns->info;
   // Every block is verified (and decoded) at once on the read executor;

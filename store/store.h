@@ -222,6 +222,7 @@ struct ReadOptions {
   // at most max_lease_ttl).
   absl::Duration ttl = absl::ZeroDuration();
   // A Lookup pin (or read lease) that this read takes over and ends; 0: none.
+  // Not one that a transfer holds (HoldReadLease): FAILED_PRECONDITION.
   uint64_t pin_lease_id = 0;
   bool keep_lease = false;
   bool allow_missing = false;
@@ -547,7 +548,8 @@ class Store {
   // RESOURCE_EXHAUSTED when they cannot be had.
   absl::Status ReservePages(uint16_t owner, uint32_t count, PageList* pages);
   void ReleasePages(const PageList& pages);
-  void ReleaseReadLease(uint64_t id);
+  // unless_held: a lease a transfer holds (HoldReadLease) stays.
+  void ReleaseReadLease(uint64_t id, bool unless_held = false);
   // Returns true when it released the lease. With if_idle, a lease that a
   // commit or a StageBlock is using is left alone.
   bool ReleaseWriteLease(uint64_t id, bool if_idle = false);

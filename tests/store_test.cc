@@ -896,6 +896,66 @@ TEST(StoreTest, AHeldReadLeaseEndsOnlyByEndLease) {
   EXPECT_EQ(store->Stats().active_read_leases, 0u);
 }
 
+// A held lease belongs to a transfer that still reads its pinned pages: a
+// BeginRead that names it as the pin to take over is refused, and the
+// pins stay.
+TEST(StoreTest, AHeldReadLeaseCannotBeTakenOver) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(store.get(), "ns", 0, 2).ok());
+  auto held = store->BeginRead("ns", Keys(0, 2),
+                               Leased(ReadFormat::kRaw, absl::Seconds(30)));
+  ASSERT_TRUE(held.ok()) << held.status();
+  ASSERT_TRUE(store->HoldReadLease(held->lease_id).ok());
+  const uint64_t pinned = store->Stats().pinned_bytes;
+  ASSERT_GT(pinned, 0u);
+  ReadOptions takeover = Leased(ReadFormat::kRaw, absl::Seconds(30));
+  takeover.pin_lease_id = held->lease_id;
+  EXPECT_EQ(store->BeginRead("ns", Keys(0, 2), takeover).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->Stats().pinned_bytes, pinned);
+  EXPECT_EQ(store->Stats().active_read_leases, 1u);
+  EXPECT_TRUE(store->EndLease(held->lease_id).ok());
+  EXPECT_EQ(store->Stats().pinned_bytes, 0u);
+}
+
+// Every page of the pool has a header slot of its own, whatever the arena's
+// size: no slot lies on a page's bytes.
+TEST(StoreTest, EveryPageHasAHeaderSlotOfItsOwn) {
+  StoreOptions options;
+  options.page_size = 4096;
+  // 522 pages of arena: 512 slots fit in 9 pages, which left 513 pages.
+  auto arena = CreateArena({MemoryKind::kHost, 0, 522 * 4096});
+  ASSERT_TRUE(arena.ok());
+  auto store = Store::Create(options, *std::move(arena));
+  ASSERT_TRUE(store.ok()) << store.status();
+  NamespaceConfig config = Config("ns", Codec::kNone);
+  config.shape = {2, 1, 16, 16};  // 2 KiB of fp16: one page a block
+  ASSERT_TRUE((*store)->RegisterNamespace(config).ok());
+  const uint64_t pages = (*store)->Stats().capacity_bytes / 4096;
+  std::vector<std::vector<uint16_t>> data;
+  for (uint64_t i = 0; i < pages; ++i) {
+    data.push_back(RandomBlock(config.shape, i));
+    auto begin = (*store)->BeginWrite("ns", {{Key(i), ""}}, absl::Seconds(10));
+    ASSERT_TRUE(begin.ok()) << begin.status();
+    const Store::Payload payload{
+        0, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(data[i].data()),
+                               data[i].size() * 2)};
+    ASSERT_TRUE((*store)->CommitWrite(begin->write_id, {payload}).ok());
+  }
+  ASSERT_EQ((*store)->Stats().evictions_capacity, 0u);
+  for (uint64_t i = 0; i < pages; ++i) {
+    auto read = (*store)->BeginRead("ns", Keys(i, 1), Copy(ReadFormat::kFp16));
+    ASSERT_TRUE(read.ok()) << "block " << i << " of " << pages << ": "
+                           << read.status();
+    EXPECT_EQ(std::memcmp(read->blocks[0].data.data(), data[i].data(),
+                          data[i].size() * 2),
+              0)
+        << "block " << i;
+  }
+  EXPECT_EQ((*store)->Stats().data_loss_events, 0u);
+}
+
 // ------------------------------------------------------------- lease claims
 
 // Begins a write of blocks [first, first + n) of a fresh chain and returns

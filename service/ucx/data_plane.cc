@@ -16,14 +16,15 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "base/log.h"
-#define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
+#include "base/populate.h"
+#include "kernels/codec.h"
+#include "transport/status.h"
+// XXH3_state_t on the stack; runtime-dispatched XXH3 (as block_header.cc).
+#define XXH_STATIC_LINKING_ONLY
 #include "xxhash.h"
 #if defined(__x86_64__)
 #include "xxh_x86dispatch.h"
 #endif
-#include "base/populate.h"
-#include "kernels/codec.h"
-#include "transport/status.h"
 
 namespace kvcache::ucx {
 namespace {
@@ -161,11 +162,11 @@ struct DataPlane::ReadSession {
   uint32_t slices_reported = 0;    // statuses sent, in slice order
   // Blocks handed over unchecked (ReadBlock::unchecked_layer_sums) are
   // checked by the copy tasks (check_in_copies) or by pool tasks before
-  // their slices are posted (CheckThenPost): slice_checks[s] of them still
+  // their slices are posted (CheckThenPost): slice_checks_left[s] of them still
   // run for slice s (all for slice 0 when they check whole blocks), and
   // the slices below slices_checked are checked and may be posted.
   bool check_in_copies = false;
-  std::vector<uint32_t> slice_checks;
+  std::vector<uint32_t> slice_checks_left;
   uint32_t slices_checked = 0;
   // Set when the read ends (FinishRead); pool threads read it (they hold
   // the session): copies not yet begun are skipped.
@@ -351,7 +352,11 @@ void DataPlane::Stop() {
       done(absl::UnavailableError("the node's data plane is shutting down"));
     }
   }
-  for (auto& [id, session] : reads) session->claim = store::ReadClaim();
+  for (auto& [id, session] : reads) {
+    // Pool tasks not yet begun skip their copies and checks.
+    session->stop_copies.store(true, std::memory_order_relaxed);
+    session->claim = store::ReadClaim();
+  }
   // loop_ itself lives until the destructor: Post() on it now returns false.
 }
 
@@ -1194,10 +1199,10 @@ std::optional<uint32_t> DataPlane::FirstBadLayer(const store::ReadBlock& block,
   XXH3_state_t state;
   for (uint32_t l = first; l < end; ++l) {
     XXH3_64bits_reset(&state);
-    ForEachRun(block, l == 0 ? 0 : ends[l - 1], ends[l],
-               [&](const uint8_t* src, uint64_t length, uint64_t) {
-                 XXH3_64bits_update(&state, src, length);
-               });
+    ForEachPieceOf(block, l == 0 ? 0 : ends[l - 1], ends[l],
+                   [&](const uint8_t* src, uint64_t length, uint64_t) {
+                     XXH3_64bits_update(&state, src, length);
+                   });
     if (XXH3_64bits_digest(&state) != block.unchecked_layer_sums[l]) return l;
   }
   return std::nullopt;
@@ -1212,8 +1217,11 @@ void DataPlane::CheckThenPost(const std::shared_ptr<ReadSession>& session) {
     size_t block;
     uint32_t first, end;
   };
-  const bool by_slice = ChecksFollowSlices(*session);
-  session->slice_checks.assign(session->slices, 0);
+  // A client that does not number data messages gets every slice posted at
+  // once (PostNextSlices): its checks then all go before slice 0.
+  const bool by_slice = (!session->by_messages || session->sequenced) &&
+                        ChecksFollowSlices(*session);
+  session->slice_checks_left.assign(session->slices, 0);
   session->slices_checked = 0;
   for (uint32_t slice = 0; slice < (by_slice ? session->slices : 1); ++slice) {
     std::vector<std::vector<Unit>> tasks(1);
@@ -1241,7 +1249,7 @@ void DataPlane::CheckThenPost(const std::shared_ptr<ReadSession>& session) {
     for (std::vector<Unit>& units : tasks) {
       if (units.empty()) continue;
       ++session->outstanding;
-      ++session->slice_checks[slice];
+      ++session->slice_checks_left[slice];
       loop_->AddBusy(1);
       executor_([this, session, slice, units = std::move(units)] {
         std::optional<std::pair<size_t, uint32_t>> corrupt;
@@ -1256,7 +1264,7 @@ void DataPlane::CheckThenPost(const std::shared_ptr<ReadSession>& session) {
         loop_->Post([this, session, slice, corrupt] {
           loop_->AddBusy(-1);
           --session->outstanding;
-          --session->slice_checks[slice];
+          --session->slice_checks_left[slice];
           if (corrupt) FailCorrupt(*session, corrupt->first, corrupt->second);
           if (!session->finished && !session->error.ok()) {
             FinishRead(session, session->error);
@@ -1274,7 +1282,7 @@ void DataPlane::CheckThenPost(const std::shared_ptr<ReadSession>& session) {
 void DataPlane::PostCheckedSlices(const std::shared_ptr<ReadSession>& session) {
   if (session->finished) return;
   while (session->slices_checked < session->slices &&
-         session->slice_checks[session->slices_checked] == 0) {
+         session->slice_checks_left[session->slices_checked] == 0) {
     ++session->slices_checked;
   }
   PostNextSlices(session);
@@ -1371,7 +1379,7 @@ bool DataPlane::SliceRange(const ReadSession& session, uint32_t slice, size_t b,
   return *start < *end && *end <= size;
 }
 
-void DataPlane::ForEachRun(
+void DataPlane::ForEachPieceOf(
     const store::ReadBlock& block, uint64_t start, uint64_t end,
     absl::FunctionRef<void(const uint8_t*, uint64_t, uint64_t)> fn) {
   if (block.spans.empty()) {
@@ -1397,10 +1405,10 @@ void DataPlane::ForEachPiece(
   for (size_t b = 0; b < session.result.blocks.size(); ++b) {
     uint64_t start, end;
     if (!SliceRange(session, slice, b, &start, &end)) continue;
-    ForEachRun(session.result.blocks[b], start, end,
-               [&](const uint8_t* src, uint64_t length, uint64_t offset) {
-                 fn(src, length, b, offset);
-               });
+    ForEachPieceOf(session.result.blocks[b], start, end,
+                   [&](const uint8_t* src, uint64_t length, uint64_t offset) {
+                     fn(src, length, b, offset);
+                   });
   }
 }
 
@@ -1422,7 +1430,9 @@ struct CopyPiece {
 
 // Copies the pieces in order; returns the first (block, layer) whose bytes
 // do not match their checksum (the task stops there), or nullopt. `stop`
-// ends it early (*stopped).
+// ends it early (*stopped). The check hashes the stored bytes (the
+// source), from the cache right after their copy: what it vouches for is
+// the block as stored, as BeginRead's check did; the copy is a memcpy.
 std::optional<std::pair<size_t, uint32_t>> CopyAndCheck(
     absl::Span<const CopyPiece> pieces, const std::atomic<bool>& stop,
     bool* stopped) {
@@ -1476,7 +1486,7 @@ void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
     task_bytes += end - start;
     session->slice_bytes[slice] += end - start;
     if (!session->check_in_copies || block.unchecked_layer_sums.empty()) {
-      ForEachRun(block, start, end, add);
+      ForEachPieceOf(block, start, end, add);
       continue;
     }
     // ChecksFollowSlices: [start, end) is whole checked layers.
@@ -1485,7 +1495,7 @@ void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
       const uint64_t lo = l == 0 ? 0 : ends[l - 1];
       if (lo < start || ends[l] > end || lo == ends[l]) continue;
       const size_t first = pieces.size();
-      ForEachRun(block, lo, ends[l], add);
+      ForEachPieceOf(block, lo, ends[l], add);
       for (size_t i = first; i < pieces.size(); ++i) pieces[i].checked = true;
       CopyPiece& last = pieces.back();
       last.ends_layer = true;

@@ -18,10 +18,12 @@
 //    and still commits), or when its lease expires.
 //  * Read: BeginRead (gRPC, inline_data = false) reserves staging for the
 //    worst case, then Store::BeginRead (keep_lease, in_place) pins the
-//    blocks and verifies them: on a host arena a block whose answer is its
-//    stored bytes stays where it lies and is put straight from the pinned
-//    pages; only decoded blocks (and every block of a device arena) are
-//    copies, and only they keep their staging. OpenRead returns the
+//    blocks: on a host arena a block whose answer is its stored bytes stays
+//    where it lies, with its header checked and its layers left for the
+//    data plane to check (caller_verifies; unless allow_missing), and is
+//    put straight from the pinned pages; only decoded blocks (verified in
+//    BeginRead, and every block of a device arena) are copies, and only
+//    they keep their staging. OpenRead returns the
 //    address and a token. The client registers its
 //    destination memory and sends ReadStart with the packed remote key and
 //    one address per block; the node puts the blocks there (layer by layer
@@ -384,7 +386,7 @@ class DataPlane {
                          uint64_t* start, uint64_t* end);
   // fn(source, length, offset in the block) for each piece of [start, end)
   // of `block` that is contiguous in the node's memory.
-  static void ForEachRun(
+  static void ForEachPieceOf(
       const store::ReadBlock& block, uint64_t start, uint64_t end,
       absl::FunctionRef<void(const uint8_t*, uint64_t, uint64_t)> fn);
   // Whether every slice of every unchecked block starts and ends on one of
