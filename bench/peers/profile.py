@@ -96,10 +96,15 @@ def _client(argv: list[str]) -> int:
         time.sleep(0.01)
     moved = 0
     end = time.monotonic() + seconds
+    passes = 0
     while time.monotonic() < end:
+        passes += 1
+        # A put of a stored key is skipped: each pass writes new keys (the
+        # node evicts the oldest when its pool is full, as under real load).
+        pass_keys = [block_key(f"profile-{passes}", b) for b in blocks]
         for i in range(0, count, batch):
             if op == "put":
-                adapter.put(keys[i:i + batch], src[i:i + batch])
+                adapter.put(pass_keys[i:i + batch], src[i:i + batch])
             else:
                 adapter.get(keys[i:i + batch], dst[i:i + batch], fmt)
             moved += min(batch, count - i) * BLOCK_BYTES
