@@ -45,6 +45,9 @@ constexpr uint64_t kCopyTaskBytes = 4ull << 20;
 // A copy that checks what it copies goes in chunks this size: each chunk's
 // source is hashed right after its copy, while it is still in the cache.
 constexpr uint64_t kCheckChunkBytes = 64ull << 10;
+// Where the node checks a read's slices before it sends them
+// (CheckThenPost), how many slices past those posted it checks.
+constexpr uint32_t kSlicesCheckedAhead = 2;
 
 // [address, address + length) of the client memory `rkey` covers, as one
 // mapping in this process (shared memory); null when it is not one (or
@@ -166,8 +169,10 @@ struct DataPlane::ReadSession {
   // run for slice s (all for slice 0 when they check whole blocks), and
   // the slices below slices_checked are checked and may be posted.
   bool check_in_copies = false;
+  bool check_by_slice = false;
   std::vector<uint32_t> slice_checks_left;
   uint32_t slices_checked = 0;
+  uint32_t slices_check_started = 0;
   // Set when the read ends (FinishRead); pool threads read it (they hold
   // the session): copies not yet begun are skipped.
   std::atomic<bool> stop_copies{false};
@@ -1210,78 +1215,99 @@ std::optional<uint32_t> DataPlane::FirstBadLayer(const store::ReadBlock& block,
 
 void DataPlane::CheckThenPost(const std::shared_ptr<ReadSession>& session) {
   // Slice by slice where the slices are whole checked layers, so that the
-  // first layer goes once it is checked while the pool checks the next;
-  // otherwise whole blocks, all before slice 0. Tasks of about
-  // kCopyTaskBytes: (block, first layer, end layer) each.
-  struct Unit {
-    size_t block;
-    uint32_t first, end;
-  };
-  // A client that does not number data messages gets every slice posted at
-  // once (PostNextSlices): its checks then all go before slice 0.
-  const bool by_slice = (!session->by_messages || session->sequenced) &&
-                        ChecksFollowSlices(*session);
+  // first layer goes once it is checked; otherwise whole blocks, all before
+  // slice 0. A client that does not number data messages gets every slice
+  // posted at once (PostNextSlices): its checks all go before slice 0 too.
+  session->check_by_slice = (!session->by_messages || session->sequenced) &&
+                            ChecksFollowSlices(*session);
   session->slice_checks_left.assign(session->slices, 0);
   session->slices_checked = 0;
-  for (uint32_t slice = 0; slice < (by_slice ? session->slices : 1); ++slice) {
-    std::vector<std::vector<Unit>> tasks(1);
-    uint64_t task_bytes = 0;
-    for (size_t b = 0; b < session->result.blocks.size(); ++b) {
-      const store::ReadBlock& block = session->result.blocks[b];
-      const std::vector<uint64_t>& ends = block.unchecked_layer_ends;
-      uint64_t start = 0, end = block.size();
-      if (ends.empty() ||
-          (by_slice && !SliceRange(*session, slice, b, &start, &end))) {
-        continue;
-      }
-      // The layers within [start, end) (ChecksFollowSlices when by_slice).
-      const auto first = static_cast<uint32_t>(
-          std::upper_bound(ends.begin(), ends.end(), start) - ends.begin());
-      const auto last = static_cast<uint32_t>(
-          std::lower_bound(ends.begin(), ends.end(), end) - ends.begin());
-      if (task_bytes >= kCopyTaskBytes) {
-        tasks.emplace_back();
-        task_bytes = 0;
-      }
-      tasks.back().push_back({b, first, last + 1});
-      task_bytes += end - start;
-    }
-    for (std::vector<Unit>& units : tasks) {
-      if (units.empty()) continue;
-      ++session->outstanding;
-      ++session->slice_checks_left[slice];
-      loop_->AddBusy(1);
-      executor_([this, session, slice, units = std::move(units)] {
-        std::optional<std::pair<size_t, uint32_t>> corrupt;
-        for (const Unit& u : units) {
-          if (session->stop_copies.load(std::memory_order_relaxed)) break;
-          const store::ReadBlock& block = session->result.blocks[u.block];
-          if (auto bad = FirstBadLayer(block, u.first, u.end)) {
-            corrupt.emplace(u.block, *bad);
-            break;
-          }
-        }
-        loop_->Post([this, session, slice, corrupt] {
-          loop_->AddBusy(-1);
-          --session->outstanding;
-          --session->slice_checks_left[slice];
-          if (corrupt) FailCorrupt(*session, corrupt->first, corrupt->second);
-          if (!session->finished && !session->error.ok()) {
-            FinishRead(session, session->error);
-          } else {
-            PostCheckedSlices(session);
-          }
-          ReleaseIfIdle(*session);
-        });
-      });
-    }
+  session->slices_check_started = 0;
+  if (session->check_by_slice) {
+    StartChecksAhead(session);
+  } else {
+    StartChecks(session, 0, /*whole_blocks=*/true);
+    session->slices_check_started = session->slices;
   }
   PostCheckedSlices(session);  // the slices that need no check, if any
 }
 
+void DataPlane::StartChecksAhead(const std::shared_ptr<ReadSession>& session) {
+  // Only a few slices ahead of the sends: on a node short of cores the
+  // checks of later layers would otherwise slow the first layer's sends.
+  while (!session->finished &&
+         session->slices_check_started < session->slices &&
+         session->slices_check_started <
+             session->slices_posted + kSlicesCheckedAhead) {
+    StartChecks(session, session->slices_check_started++,
+                /*whole_blocks=*/false);
+  }
+}
+
+void DataPlane::StartChecks(const std::shared_ptr<ReadSession>& session,
+                            uint32_t slice, bool whole_blocks) {
+  // Tasks of about kCopyTaskBytes: (block, first layer, end layer) each.
+  struct Unit {
+    size_t block;
+    uint32_t first, end;
+  };
+  std::vector<std::vector<Unit>> tasks(1);
+  uint64_t task_bytes = 0;
+  for (size_t b = 0; b < session->result.blocks.size(); ++b) {
+    const store::ReadBlock& block = session->result.blocks[b];
+    const std::vector<uint64_t>& ends = block.unchecked_layer_ends;
+    uint64_t start = 0, end = block.size();
+    if (ends.empty() ||
+        (!whole_blocks && !SliceRange(*session, slice, b, &start, &end))) {
+      continue;
+    }
+    // The layers within [start, end) (ChecksFollowSlices for a slice).
+    const auto first = static_cast<uint32_t>(
+        std::upper_bound(ends.begin(), ends.end(), start) - ends.begin());
+    const auto last = static_cast<uint32_t>(
+        std::lower_bound(ends.begin(), ends.end(), end) - ends.begin());
+    if (task_bytes >= kCopyTaskBytes) {
+      tasks.emplace_back();
+      task_bytes = 0;
+    }
+    tasks.back().push_back({b, first, last + 1});
+    task_bytes += end - start;
+  }
+  for (std::vector<Unit>& units : tasks) {
+    if (units.empty()) continue;
+    ++session->outstanding;
+    ++session->slice_checks_left[slice];
+    loop_->AddBusy(1);
+    executor_([this, session, slice, units = std::move(units)] {
+      std::optional<std::pair<size_t, uint32_t>> corrupt;
+      for (const Unit& u : units) {
+        if (session->stop_copies.load(std::memory_order_relaxed)) break;
+        const store::ReadBlock& block = session->result.blocks[u.block];
+        if (auto bad = FirstBadLayer(block, u.first, u.end)) {
+          corrupt.emplace(u.block, *bad);
+          break;
+        }
+      }
+      loop_->Post([this, session, slice, corrupt] {
+        loop_->AddBusy(-1);
+        --session->outstanding;
+        --session->slice_checks_left[slice];
+        if (corrupt) FailCorrupt(*session, corrupt->first, corrupt->second);
+        if (!session->finished && !session->error.ok()) {
+          FinishRead(session, session->error);
+        } else {
+          PostCheckedSlices(session);
+        }
+        ReleaseIfIdle(*session);
+      });
+    });
+  }
+}
+
 void DataPlane::PostCheckedSlices(const std::shared_ptr<ReadSession>& session) {
   if (session->finished) return;
-  while (session->slices_checked < session->slices &&
+  // Slices whose checks have not started are not checked.
+  while (session->slices_checked < session->slices_check_started &&
          session->slice_checks_left[session->slices_checked] == 0) {
     ++session->slices_checked;
   }
@@ -1328,6 +1354,8 @@ void DataPlane::PostNextSlices(const std::shared_ptr<ReadSession>& session) {
           session->bytes_in_flight < kBytesInFlight)) {
     PostNextSlice(session);
   }
+  // Posting makes room for the checks of later slices.
+  if (session->check_by_slice) StartChecksAhead(session);
 }
 
 void DataPlane::SliceSent(const std::shared_ptr<ReadSession>& session,

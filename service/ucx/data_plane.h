@@ -398,6 +398,13 @@ class DataPlane {
   // whole checked layers, else all before the first); or drops what failed
   // and ends the read DATA_LOSS.
   void CheckThenPost(const std::shared_ptr<ReadSession>& session);
+  // Starts the checks of slices up to kSlicesCheckedAhead past those
+  // posted (slice by slice).
+  void StartChecksAhead(const std::shared_ptr<ReadSession>& session);
+  // Starts the pool tasks that check `slice` (or, with whole_blocks, every
+  // unchecked block, counted against slice 0).
+  void StartChecks(const std::shared_ptr<ReadSession>& session, uint32_t slice,
+                   bool whole_blocks);
   // Moves slices_checked past the slices with no check left, and posts.
   void PostCheckedSlices(const std::shared_ptr<ReadSession>& session);
   // The first of layers [first, end) of `block` whose bytes do not match
