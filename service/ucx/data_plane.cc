@@ -165,9 +165,11 @@ struct DataPlane::ReadSession {
   uint32_t slices_reported = 0;    // statuses sent, in slice order
   // Blocks handed over unchecked (ReadBlock::unchecked_layer_sums) are
   // checked by the copy tasks (check_in_copies) or by pool tasks before
-  // their slices are posted (CheckThenPost): slice_checks_left[s] of them still
-  // run for slice s (all for slice 0 when they check whole blocks), and
-  // the slices below slices_checked are checked and may be posted.
+  // their slices are posted (CheckThenPost): slice by slice
+  // (check_by_slice; the checks of slices below slices_check_started have
+  // started) or whole blocks, counted against slice 0. slice_checks_left[s]
+  // tasks still run for slice s; the slices below slices_checked are
+  // checked and may be posted.
   bool check_in_copies = false;
   bool check_by_slice = false;
   std::vector<uint32_t> slice_checks_left;

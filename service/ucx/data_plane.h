@@ -394,9 +394,9 @@ class DataPlane {
   // layers as it copies them.
   static bool ChecksFollowSlices(const ReadSession& session);
   // Checks the read's unchecked blocks on the worker pool and lets each
-  // slice be posted once it is checked (slice by slice where slices are
-  // whole checked layers, else all before the first); or drops what failed
-  // and ends the read DATA_LOSS.
+  // slice be posted once it is checked (slice by slice, a few ahead of the
+  // sends, where slices are whole checked layers; else all before the
+  // first); or drops what failed and ends the read DATA_LOSS.
   void CheckThenPost(const std::shared_ptr<ReadSession>& session);
   // Starts the checks of slices up to kSlicesCheckedAhead past those
   // posted (slice by slice).
