@@ -27,8 +27,9 @@ using kvcache::testing::SmallShape;
 
 constexpr uint32_t kPage = 4096;
 
-std::unique_ptr<Store> MakeStore(uint64_t bytes, StoreOptions options = {}) {
-  options.page_size = kPage;
+std::unique_ptr<Store> MakeStore(uint64_t bytes, StoreOptions options = {},
+                                 uint32_t page_size = kPage) {
+  options.page_size = page_size;
   auto arena = CreateArena({MemoryKind::kHost, 0, bytes});
   EXPECT_TRUE(arena.ok()) << arena.status();
   auto store = Store::Create(options, *std::move(arena));
@@ -341,21 +342,16 @@ TEST(StoreTest, ACallerThatVerifiesGetsLayerChecksumsAndDropsWhatFails) {
 
   // A block of one page has no slot for its layer checksums: it is checked
   // whole, here, whatever the caller promises.
-  StoreOptions big_pages;
-  big_pages.page_size = 64 << 10;
-  auto arena = CreateArena({MemoryKind::kHost, 0, 8 << 20});
-  ASSERT_TRUE(arena.ok());
-  auto one_page = Store::Create(big_pages, *std::move(arena));
-  ASSERT_TRUE(one_page.ok()) << one_page.status();
-  ASSERT_TRUE((*one_page)->RegisterNamespace(Config("ns", Codec::kNone)).ok());
-  ASSERT_TRUE(WriteChain(one_page->get(), "ns", 0, 2).ok());
+  auto one_page = MakeStore(8 << 20, {}, /*page_size=*/64 << 10);
+  ASSERT_TRUE(one_page->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  ASSERT_TRUE(WriteChain(one_page.get(), "ns", 0, 2).ok());
   options.caller_verifies = true;
-  auto whole = (*one_page)->BeginRead("ns", Keys(0, 2), options);
+  auto whole = one_page->BeginRead("ns", Keys(0, 2), options);
   ASSERT_TRUE(whole.ok()) << whole.status();
   EXPECT_TRUE(whole->blocks[0].unchecked_layer_sums.empty());
-  ASSERT_TRUE((*one_page)->EndLease(whole->lease_id).ok());
-  ASSERT_TRUE((*one_page)->CorruptBlockForTest("ns", Key(1), false, 9).ok());
-  EXPECT_EQ((*one_page)->BeginRead("ns", Keys(0, 2), options).status().code(),
+  ASSERT_TRUE(one_page->EndLease(whole->lease_id).ok());
+  ASSERT_TRUE(one_page->CorruptBlockForTest("ns", Key(1), false, 9).ok());
+  EXPECT_EQ(one_page->BeginRead("ns", Keys(0, 2), options).status().code(),
             absl::StatusCode::kDataLoss);
 }
 
@@ -922,30 +918,25 @@ TEST(StoreTest, AHeldReadLeaseCannotBeTakenOver) {
 // Every page of the pool has a header slot of its own, whatever the arena's
 // size: no slot lies on a page's bytes.
 TEST(StoreTest, EveryPageHasAHeaderSlotOfItsOwn) {
-  StoreOptions options;
-  options.page_size = 4096;
   // 522 pages of arena: 512 slots fit in 9 pages, which left 513 pages.
-  auto arena = CreateArena({MemoryKind::kHost, 0, 522 * 4096});
-  ASSERT_TRUE(arena.ok());
-  auto store = Store::Create(options, *std::move(arena));
-  ASSERT_TRUE(store.ok()) << store.status();
+  auto store = MakeStore(522 * 4096, {}, /*page_size=*/4096);
   NamespaceConfig config = Config("ns", Codec::kNone);
   config.shape = {2, 1, 16, 16};  // 2 KiB of fp16: one page a block
-  ASSERT_TRUE((*store)->RegisterNamespace(config).ok());
-  const uint64_t pages = (*store)->Stats().capacity_bytes / 4096;
+  ASSERT_TRUE(store->RegisterNamespace(config).ok());
+  const uint64_t pages = store->Stats().capacity_bytes / 4096;
   std::vector<std::vector<uint16_t>> data;
   for (uint64_t i = 0; i < pages; ++i) {
     data.push_back(RandomBlock(config.shape, i));
-    auto begin = (*store)->BeginWrite("ns", {{Key(i), ""}}, absl::Seconds(10));
+    auto begin = store->BeginWrite("ns", {{Key(i), ""}}, absl::Seconds(10));
     ASSERT_TRUE(begin.ok()) << begin.status();
     const Store::Payload payload{
         0, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(data[i].data()),
                                data[i].size() * 2)};
-    ASSERT_TRUE((*store)->CommitWrite(begin->write_id, {payload}).ok());
+    ASSERT_TRUE(store->CommitWrite(begin->write_id, {payload}).ok());
   }
-  ASSERT_EQ((*store)->Stats().evictions_capacity, 0u);
+  ASSERT_EQ(store->Stats().evictions_capacity, 0u);
   for (uint64_t i = 0; i < pages; ++i) {
-    auto read = (*store)->BeginRead("ns", Keys(i, 1), Copy(ReadFormat::kFp16));
+    auto read = store->BeginRead("ns", Keys(i, 1), Copy(ReadFormat::kFp16));
     ASSERT_TRUE(read.ok()) << "block " << i << " of " << pages << ": "
                            << read.status();
     EXPECT_EQ(std::memcmp(read->blocks[0].data.data(), data[i].data(),
@@ -953,7 +944,7 @@ TEST(StoreTest, EveryPageHasAHeaderSlotOfItsOwn) {
               0)
         << "block " << i;
   }
-  EXPECT_EQ((*store)->Stats().data_loss_events, 0u);
+  EXPECT_EQ(store->Stats().data_loss_events, 0u);
 }
 
 // ------------------------------------------------------------- lease claims
