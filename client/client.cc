@@ -828,6 +828,7 @@ bool LandsRaw(const v1::BeginReadResponse& response, bool decode) {
 
 absl::Status Client::Impl::StartReadInto(const v1::BeginReadResponse& response,
                                          absl::Span<uint8_t> dest, size_t bytes,
+                                         bool layer_by_layer,
                                          const CallScope& scope,
                                          PendingRead::Impl& pending) {
   if (scope.cancelled()) return CallerCancelled();
@@ -851,7 +852,7 @@ absl::Status Client::Impl::StartReadInto(const v1::BeginReadResponse& response,
   }
   absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
       StartRead(*ucx_plane, response, std::move(region), offsets,
-                /*per_layer=*/true, buffer_id);
+                layer_by_layer, buffer_id);
   if (!transfer.ok()) return transfer.status();
   pending.read = *std::move(transfer);
   return absl::OkStatus();
@@ -859,7 +860,7 @@ absl::Status Client::Impl::StartReadInto(const v1::BeginReadResponse& response,
 
 absl::Status Client::Impl::StartDecodedReadInto(
     Client* client, const v1::BeginReadResponse& response,
-    absl::Span<uint8_t> dest, const CallScope& scope,
+    absl::Span<uint8_t> dest, bool layer_by_layer, const CallScope& scope,
     PendingRead::Impl& pending) {
   if (scope.cancelled()) return CallerCancelled();
   absl::StatusOr<ucx::ClientPlane*> ucx_plane = Plane();
@@ -887,7 +888,7 @@ absl::Status Client::Impl::StartDecodedReadInto(
                                                              std::move(blocks));
   absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
       StartRead(*ucx_plane, response, std::move(landing->region),
-                landing->offsets, /*per_layer=*/true, landing->buffer_id);
+                landing->offsets, layer_by_layer, landing->buffer_id);
   if (!transfer.ok()) return transfer.status();
   pending.landing = std::move(landing->buffer);
   pending.read = *std::move(transfer);
@@ -935,9 +936,10 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
   }
   absl::Status st =
       LandsRaw(response, decode)
-          ? impl_->StartDecodedReadInto(this, response, dest, scope, **impl)
-          : impl_->StartReadInto(response, dest, keys.size() * stride, scope,
-                                 **impl);
+          ? impl_->StartDecodedReadInto(this, response, dest,
+                                        read.layer_by_layer, scope, **impl)
+          : impl_->StartReadInto(response, dest, keys.size() * stride,
+                                 read.layer_by_layer, scope, **impl);
   if (st.ok()) return std::make_unique<PendingRead>(*std::move(impl));
   impl_->AbandonRead(response.read_id());
   // kAuto: when the data plane cannot be reached, read inline instead (a

@@ -163,9 +163,11 @@ struct Client::Impl {
                               GetResult& result);
   // Starts the data-plane transfer of a GetInto into the `bytes` bytes at
   // dest (registered for this read unless they lie in a DataBuffer), at
-  // pending.placements; pending.read is the transfer.
+  // pending.placements; pending.read is the transfer, sent layer by layer
+  // or as whole blocks (ReadOptions::layer_by_layer).
   absl::Status StartReadInto(const v1::BeginReadResponse& response,
                              absl::Span<uint8_t> dest, size_t bytes,
+                             bool layer_by_layer,
                              const internal::CallScope& scope,
                              PendingRead::Impl& pending);
   // The same for a read that travels raw for the caller's fp16 (LandsRaw):
@@ -174,6 +176,7 @@ struct Client::Impl {
   absl::Status StartDecodedReadInto(Client* client,
                                     const v1::BeginReadResponse& response,
                                     absl::Span<uint8_t> dest,
+                                    bool layer_by_layer,
                                     const internal::CallScope& scope,
                                     PendingRead::Impl& pending);
 

@@ -688,6 +688,80 @@ TEST_P(UcxTest, ACorruptLayerFailsTheReadBeforeItIsReported) {
   ExpectNothingHeld(absl::Seconds(5));
 }
 
+// A read that is not layer by layer (ReadOptions::layer_by_layer = false)
+// goes as one slice of whole blocks, lands exact, and decodes on the
+// client to the same bytes as a layer-wise read; a layer-wise read posts a
+// slice per layer. Several clients, so that a node with several progress
+// threads serves them on different shards and its stats add them all up.
+TEST_P(UcxTest, AReadThatIsNotLayerByLayerGoesAsOneSliceOfWholeBlocks) {
+  const kernels::BlockShape shape = LargeShape();
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("whole", Codec::kNone, shape)).ok());
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("whole8", Codec::kFp8E4M3, shape)).ok());
+  constexpr int kBlocks = 6;
+  ASSERT_TRUE(PutChain(client_.get(), "whole8", shape, 0, kBlocks).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "whole", shape, 0, kBlocks).ok());
+  const size_t stride = kernels::Fp16BlockBytes(shape);
+  std::vector<std::unique_ptr<Client>> others;
+  for (int i = 0; i < 3; ++i) others.push_back(NewClient(DataPlane::kUcx));
+  std::vector<Client*> clients = {client_.get()};
+  for (auto& c : others) clients.push_back(c.get());
+  auto slices = [&] { return node_->data_plane()->Stats().read_slices_posted; };
+  // Reads `ns` into a fresh buffer; returns its bytes and the slices the
+  // node posted for it.
+  auto read = [&](Client* client, const std::string& ns, bool layer_by_layer,
+                  std::string* bytes) -> absl::StatusOr<uint64_t> {
+    auto buffer = client->AllocateBuffer(kBlocks * stride);
+    if (!buffer.ok()) return buffer.status();
+    std::memset((*buffer)->data(), 0xEE, (*buffer)->size());
+    ReadOptions options;
+    options.layer_by_layer = layer_by_layer;
+    const uint64_t before = slices();
+    auto pending = client->GetInto(ns, Keys(0, kBlocks), options,
+                                   (*buffer)->span(), stride);
+    if (!pending.ok()) return pending.status();
+    if (absl::Status s = (*pending)->WaitLayer(0); !s.ok()) return s;
+    if (absl::Status s = (*pending)->Wait(); !s.ok()) return s;
+    if (!(*pending)->over_data_plane()) {
+      return absl::InternalError("read inline");
+    }
+    bytes->assign(reinterpret_cast<const char*>((*buffer)->data()),
+                  kBlocks * stride);
+    return slices() - before;
+  };
+  for (size_t c = 0; c < clients.size(); ++c) {
+    SCOPED_TRACE(absl::StrCat("client ", c));
+    std::string whole, layered;
+    absl::StatusOr<uint64_t> posted = read(clients[c], "whole", false, &whole);
+    ASSERT_TRUE(posted.ok()) << posted.status();
+    EXPECT_EQ(*posted, 1u);
+    for (int b = 0; b < kBlocks; ++b) {
+      EXPECT_EQ(std::memcmp(whole.data() + b * stride, data_[b].data(), stride),
+                0)
+          << "block " << b;
+    }
+    posted = read(clients[c], "whole", true, &layered);
+    ASSERT_TRUE(posted.ok()) << posted.status();
+    EXPECT_EQ(*posted, shape.num_layers);
+    EXPECT_TRUE(layered == whole);
+    // fp8 blocks travel raw and are decoded here, layer by layer or not.
+    posted = read(clients[c], "whole8", false, &whole);
+    ASSERT_TRUE(posted.ok()) << posted.status();
+    EXPECT_EQ(*posted, 1u);
+    posted = read(clients[c], "whole8", true, &layered);
+    ASSERT_TRUE(posted.ok()) << posted.status();
+    EXPECT_EQ(*posted, shape.num_layers);
+    EXPECT_TRUE(layered == whole) << "fp8 decoded differently";
+  }
+  const ucx::DataPlaneStats stats = node_->data_plane()->Stats();
+  // Every read above handed its checks to the data plane.
+  EXPECT_EQ(
+      stats.reads_checked_while_copying + stats.reads_checked_before_sending,
+      clients.size() * 4);
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
 // Where the node maps a client's long-lived buffer (shared memory), it
 // faults the whole mapping in when it first keeps the buffer's key, on the
 // worker pool, and the reads into it stay exact; over tcp it maps nothing.

@@ -37,7 +37,8 @@ class OursClient:
 
     put: Client.put of rows that lie in one DataBuffer (Client.allocate_buffer),
     so over shared memory the node pulls them from the client's memory.
-    get: Client.get_into a DataBuffer, fp16 or raw. An fp16 read of encoded
+    get: Client.get_into a DataBuffer, fp16 or raw, whole blocks
+    (layer_by_layer=False: the batch is waited for whole). An fp16 read of encoded
     blocks travels raw and is decoded by the client (the default,
     ClientOptions::decode_on_client), or by the node with NODE_DECODE=1.
     server: {'address', 'codec', 'data_plane' ('grpc' or 'ucx')}.
@@ -84,8 +85,10 @@ class OursClient:
             )
 
     def get(self, keys: list[bytes], rows: np.ndarray, fmt: str) -> list[int]:
+        # A whole read (the caller waits for all of it): whole blocks, not
+        # layer by layer, as Mooncake's batch_get_into moves them.
         read = self._client.get_into(NAMESPACE, keys, rows, format=fmt,
-                                     stride=BLOCK_BYTES)
+                                     stride=BLOCK_BYTES, layer_by_layer=False)
         read.wait()
         if read.missing:
             raise RuntimeError(f"get: {len(read.missing)} of {len(keys)} missing")

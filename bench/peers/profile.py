@@ -20,7 +20,8 @@ entry, other kernel; and in user space memcpy, checksum (xxHash), codec
 
 Run by `bench/peers/run.sh profile`; knobs: PATHS (one of tcp, shm), CODECS
 (one codec), FORMATS (one format), CLIENTS (one count), OP, PROFILE_SECONDS (10),
-BLOCKS (256), BATCH (16), NODE_BIN, NODE_FLAGS. Needs `perf` (linux-perf) and
+BLOCKS (256), BATCH (16), NODE_BIN, NODE_FLAGS; PERF_DATA=FILE keeps the
+recording, PERF_CALL_GRAPH=MODE (fp, dwarf, lbr) records call graphs. Needs `perf` (linux-perf) and
 kernel.perf_event_paranoid <= 1 or root. Each read is checked against what
 was written once before the loop (the loop itself does not re-check).
 """
@@ -174,7 +175,8 @@ def main() -> int:
         perf_data = os.path.join(work, "perf.data")
         load = open("/proc/loadavg").read().split()[0]
         open(go, "w").close()
-        perf = subprocess.run(["perf", "record", "-a", "-o", perf_data, "--", "sleep",
+        graph = ["--call-graph", env("PERF_CALL_GRAPH")] if env("PERF_CALL_GRAPH") else []
+        perf = subprocess.run(["perf", "record", "-a", *graph, "-o", perf_data, "--", "sleep",
                                str(seconds)], capture_output=True, text=True)
         moved = 0
         for p in procs:
@@ -187,6 +189,8 @@ def main() -> int:
             print(f"profile: perf record failed: {perf.stderr[-500:]}", file=sys.stderr)
             return 1
         counts = _samples(perf_data, server.procs[0].pid, {p.pid for p in procs})
+        if env("PERF_DATA"):
+            shutil.copyfile(perf_data, env("PERF_DATA"))
     total = sum(counts.values())
     gib = moved / 2**30
     cpus = os.cpu_count() or 1

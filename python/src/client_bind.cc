@@ -110,7 +110,8 @@ PyGetResult Get(PyClient& self, const std::string& ns, nb::handle py_keys,
 PyPendingRead* GetInto(nb::handle py_self, const std::string& ns,
                        nb::handle py_keys, nb::handle py_dest,
                        const std::string& format, uint64_t pin_lease,
-                       bool allow_missing, std::optional<size_t> stride,
+                       bool allow_missing, bool layer_by_layer,
+                       std::optional<size_t> stride,
                        std::optional<double> timeout_s,
                        const PyCancelToken* cancel) {
   PyClient& self = nb::cast<PyClient&>(py_self);
@@ -119,7 +120,8 @@ PyPendingRead* GetInto(nb::handle py_self, const std::string& ns,
       ContiguousBytes(nb::cast<nb::ndarray<>>(py_dest), "dest");
   if (keys.empty()) Throw(absl::InvalidArgumentError("no keys"));
   size_t slot = stride.value_or(dest.size() / keys.size());
-  ReadOptions read{FormatFromName(format), pin_lease, allow_missing};
+  ReadOptions read{FormatFromName(format), pin_lease, allow_missing,
+                   layer_by_layer};
   CallOptions call = MakeCall(timeout_s, cancel);
   absl::StatusOr<std::unique_ptr<PendingRead>> r;
   {
@@ -247,10 +249,13 @@ void BindClientMethods(nb::class_<PyClient>& c) {
       .def("get_into", &GetInto, nb::arg("ns"), nb::arg("keys"),
            nb::arg("dest"), nb::kw_only(), nb::arg("format") = "fp16",
            nb::arg("pin_lease") = 0, nb::arg("allow_missing") = false,
-           nb::arg("stride") = nb::none(), nb::arg("timeout_s") = nb::none(),
-           nb::arg("cancel") = nb::none(),
+           nb::arg("layer_by_layer") = true, nb::arg("stride") = nb::none(),
+           nb::arg("timeout_s") = nb::none(), nb::arg("cancel") = nb::none(),
            "Reads block i into dest's bytes [i*stride, ...) (stride: "
-           "dest.nbytes // len(keys)); returns once the node has answered.")
+           "dest.nbytes // len(keys)); returns once the node has answered. "
+           "layer_by_layer=True: layers land in order and wait_layer(l) "
+           "returns as soon as layer l is in; False: whole blocks, in "
+           "fewer messages, for a caller that waits for the whole read.")
       .def(
           "allocate_buffer",
           [](nb::handle py_self, size_t nbytes) {

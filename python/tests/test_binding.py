@@ -177,6 +177,26 @@ def test_fp16_reads_decode_here_by_default_as_the_node_would(node, codec):
     np.testing.assert_array_equal(dest, node_side)
 
 
+@pytest.mark.parametrize("codec", ["none", "fp8_e4m3"])
+def test_get_into_whole_blocks_lands_what_a_layer_wise_read_lands(client, codec):
+    ns = f"whole-{codec}"
+    client.register_namespace(spec(ns, codec=codec))
+    keys = kvcache.block_hash_chain(list(range(3 * T)), T, seed=9)
+    data = blocks(3, seed=9)
+    client.put(ns, keys, data)
+    layered = np.full_like(data, np.nan)
+    client.get_into(ns, keys, layered).wait()
+    whole = np.full_like(data, np.nan)
+    read = client.get_into(ns, keys, whole, layer_by_layer=False)
+    layer = data.shape[1] // LAYERS
+    read.wait_layer(0)
+    np.testing.assert_array_equal(whole[:, :layer], layered[:, :layer])
+    read.wait()
+    np.testing.assert_array_equal(whole, layered)
+    if codec == "none":
+        np.testing.assert_array_equal(whole, data)
+
+
 def test_get_into_a_data_buffer_layer_by_layer(client):
     client.register_namespace(spec("into"))
     keys = kvcache.block_hash_chain(list(range(5 * T)), T, seed=4)

@@ -390,6 +390,7 @@ DataPlaneStats DataPlane::Stats() const {
   s.copied_reads = copied_reads_.load();
   s.reads_checked_while_copying = reads_checked_while_copying_.load();
   s.reads_checked_before_sending = reads_checked_before_sending_.load();
+  s.read_slices_posted = read_slices_posted_.load();
   MutexLock lock(&mu_);
   s.write_sessions = static_cast<uint32_t>(writes_.size());
   s.read_sessions = static_cast<uint32_t>(reads_.size());
@@ -1385,6 +1386,7 @@ void DataPlane::PostNextSlice(const std::shared_ptr<ReadSession>& session) {
     return;
   }
   const uint32_t slice = session->slices_posted++;
+  read_slices_posted_.fetch_add(1, std::memory_order_relaxed);
   // Held while posting, so that sends completing at once cannot end the
   // slice (and post the next one, and its report) before this one's.
   ++session->slice_sends[slice];

@@ -172,6 +172,10 @@ struct DataPlaneStats {
   // checked before their first send, since the start.
   uint64_t reads_checked_while_copying = 0;
   uint64_t reads_checked_before_sending = 0;
+  // Slices of reads posted, since the start: a read sent layer by layer
+  // posts one per layer (that layer of every block), any other one slice
+  // of whole blocks.
+  uint64_t read_slices_posted = 0;
   // Bytes of clients' long-lived buffers that the node mapped (shared
   // memory) and faulted in at once when it first got their keys
   // (PrefaultClientBuffer), since the start.
@@ -497,6 +501,7 @@ class DataPlane {
   std::atomic<uint64_t> copied_reads_{0};
   std::atomic<uint64_t> reads_checked_while_copying_{0};
   std::atomic<uint64_t> reads_checked_before_sending_{0};
+  std::atomic<uint64_t> read_slices_posted_{0};
   std::atomic<uint64_t> prefaulted_buffer_bytes_{0};
   std::atomic<uint64_t> rejected_connections_{0};
 };

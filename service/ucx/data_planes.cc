@@ -160,6 +160,9 @@ DataPlaneStats DataPlanes::Stats() const {
     sum.pulled_blocks += s.pulled_blocks;
     sum.message_reads += s.message_reads;
     sum.copied_reads += s.copied_reads;
+    sum.reads_checked_while_copying += s.reads_checked_while_copying;
+    sum.reads_checked_before_sending += s.reads_checked_before_sending;
+    sum.read_slices_posted += s.read_slices_posted;
     sum.prefaulted_buffer_bytes += s.prefaulted_buffer_bytes;
   }
   return sum;

@@ -159,6 +159,15 @@ struct ReadOptions {
   // dropped); a read where every key is missing succeeds with no blocks.
   // Bad input (keys, namespace, pin lease) is an error either way.
   bool allow_missing = false;
+  // GetInto over the UCX data plane. true: the node sends layer l of every
+  // block, then layer l + 1, and reports each, so PendingRead::WaitLayer(l)
+  // returns as soon as layer l has landed (a decode engine computes layer l
+  // while the next ones arrive). false: it sends each block whole, in a
+  // sixteenth of the messages for 16 layers; a whole read costs both ends
+  // less CPU and ends sooner (docs/benchmarks.md, issue 20), and
+  // WaitLayer(l) returns only once the whole read has landed. For callers
+  // that wait for the whole read.
+  bool layer_by_layer = true;
 };
 
 struct BlockData {
@@ -257,8 +266,10 @@ class PendingRead {
   // failed (its status). Bounded by the GetInto call's deadline
   // (DEADLINE_EXCEEDED; the transfer is stopped then) and ended by its
   // CancelToken (CANCELLED; the transfer goes on until it ends or this
-  // PendingRead is destroyed). Layers arrive in order. A read that found
-  // no block (allow_missing) has every layer ready.
+  // PendingRead is destroyed). Layers arrive in order; in a read that is
+  // not layer by layer (ReadOptions::layer_by_layer), WaitLayer returns
+  // only once the whole read has landed. A read that found no block
+  // (allow_missing) has every layer ready.
   absl::Status WaitLayer(uint32_t layer);
   // Every layer.
   absl::Status Wait();
