@@ -69,6 +69,9 @@ class OursClient:
         if spec.block_bytes != BLOCK_BYTES or info.codec != codec:
             raise RuntimeError(f"namespace is {info.codec}, {spec.block_bytes} B")
         self.encoded_block_bytes = info.encoded_block_bytes
+        # GET_LAYER_BY_LAYER=1: layer-wise reads, as before issue 20's
+        # whole-block reads (for comparison).
+        self._layer_by_layer = os.environ.get("GET_LAYER_BY_LAYER") == "1"
         self._buffers = []  # DataBuffers stay alive with the adapter
         self._checked_plane = False
 
@@ -88,7 +91,8 @@ class OursClient:
         # A whole read (the caller waits for all of it): whole blocks, not
         # layer by layer, as Mooncake's batch_get_into moves them.
         read = self._client.get_into(NAMESPACE, keys, rows, format=fmt,
-                                     stride=BLOCK_BYTES, layer_by_layer=False)
+                                     stride=BLOCK_BYTES,
+                                     layer_by_layer=self._layer_by_layer)
         read.wait()
         if read.missing:
             raise RuntimeError(f"get: {len(read.missing)} of {len(keys)} missing")

@@ -147,7 +147,10 @@ struct DataPlane::ReadSession {
   uint64_t send_conn = 0;
   std::vector<uint64_t> remote;
   bool by_messages = false;
-  uint32_t slices = 1;  // per layer: num_layers
+  // Per layer: slice l is layer l of every block, and each is reported.
+  // Whole blocks: slice b is block b, and the read is reported once, whole.
+  bool per_layer = false;
+  uint32_t slices = 1;  // per layer: num_layers; else one per block
   uint32_t slices_posted = 0;
   std::vector<uint32_t> slice_sends;  // per slice: its sends in flight
   std::vector<uint64_t> slice_bytes;  // per slice: the bytes it sends
@@ -1161,8 +1164,13 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
   session->remote = std::move(remote);
   session->by_messages = by_messages;
   // Per layer: slice l of every block, then a report. Whole blocks: one
-  // slice per block, one report.
-  session->slices = per_layer ? session->num_layers : 1;
+  // slice per block (so that block b + 1 is checked while block b is
+  // sent), one report at the end.
+  session->per_layer = per_layer;
+  session->slices =
+      per_layer ? session->num_layers
+                : std::max<uint32_t>(
+                      1, static_cast<uint32_t>(session->result.blocks.size()));
   session->slice_sends.assign(session->slices, 0);
   session->slice_bytes.assign(session->slices, 0);
   session->slices_checked = session->slices;  // unless CheckThenPost
@@ -1309,12 +1317,18 @@ void DataPlane::StartChecks(const std::shared_ptr<ReadSession>& session,
 
 void DataPlane::PostCheckedSlices(const std::shared_ptr<ReadSession>& session) {
   if (session->finished) return;
-  // Slices whose checks have not started are not checked.
-  while (session->slices_checked < session->slices_check_started &&
-         session->slice_checks_left[session->slices_checked] == 0) {
-    ++session->slices_checked;
-  }
+  AdvanceCheckedSlices(*session);
   PostNextSlices(session);
+}
+
+bool DataPlane::AdvanceCheckedSlices(ReadSession& session) {
+  const uint32_t before = session.slices_checked;
+  // Slices whose checks have not started are not checked.
+  while (session.slices_checked < session.slices_check_started &&
+         session.slice_checks_left[session.slices_checked] == 0) {
+    ++session.slices_checked;
+  }
+  return session.slices_checked != before;
 }
 
 void DataPlane::FailCorrupt(ReadSession& session, size_t block,
@@ -1351,14 +1365,20 @@ void DataPlane::PostNextSlices(const std::shared_ptr<ReadSession>& session) {
   // window interleaves layers' messages with their flushes more finely,
   // and a read so sent was seen reported early (1 run in 60 under load).
   const bool window = !session->by_messages || session->sequenced;
-  while (!session->finished && session->slices_posted < session->slices &&
-         session->slices_posted < session->slices_checked &&
-         (!window || session->slices_in_flight < kMinSlicesInFlight ||
-          session->bytes_in_flight < kBytesInFlight)) {
-    PostNextSlice(session);
+  while (true) {
+    while (!session->finished && session->slices_posted < session->slices &&
+           session->slices_posted < session->slices_checked &&
+           (!window || session->slices_in_flight < kMinSlicesInFlight ||
+            session->bytes_in_flight < kBytesInFlight)) {
+      PostNextSlice(session);
+    }
+    if (!session->check_by_slice || session->finished) return;
+    // Posting makes room for the checks of later slices. A slice with
+    // nothing to check (whole blocks the store checked, or decoded) is
+    // checked once its checks start: then post again.
+    StartChecksAhead(session);
+    if (!AdvanceCheckedSlices(*session)) return;
   }
-  // Posting makes room for the checks of later slices.
-  if (session->check_by_slice) StartChecksAhead(session);
 }
 
 void DataPlane::SliceSent(const std::shared_ptr<ReadSession>& session,
@@ -1402,7 +1422,9 @@ bool DataPlane::SliceRange(const ReadSession& session, uint32_t slice, size_t b,
   const std::vector<uint64_t>& ends = session.layer_ends[b];
   *start = 0;
   *end = size;
-  if (session.slices > 1 && ends.size() == session.num_layers) {
+  if (!session.per_layer) {
+    if (slice != b) return false;  // whole blocks: slice b is block b
+  } else if (session.slices > 1 && ends.size() == session.num_layers) {
     *start = slice == 0 ? 0 : ends[slice - 1];
     *end = ends[slice];
   } else if (slice > 0) {
@@ -1576,8 +1598,12 @@ void DataPlane::ReportCopiedSlices(
       return;
     }
     ++session->slices_reported;
+    // Whole blocks: one report, once the last block is copied.
+    if (!session->per_layer && session->slices_reported < session->slices) {
+      continue;
+    }
     const uint32_t layers_done =
-        session->slices > 1 ? session->slices_reported : session->num_layers;
+        session->per_layer ? session->slices_reported : session->num_layers;
     session->layers_done = layers_done;
     SendReadStatus(session->send_conn, session->id, session->token, layers_done,
                    session->num_layers, absl::OkStatus(), std::nullopt);
@@ -1597,7 +1623,7 @@ void DataPlane::PostSlice(const std::shared_ptr<ReadSession>& session,
   const ucp_ep_h ep = conn.out().get();
   const ucp_rkey_h rkey = session->rkey->get();
   const uint32_t num_layers = session->num_layers;
-  const bool per_layer = session->slices > 1;
+  const bool per_layer = session->per_layer;
   const bool by_messages = session->by_messages;
   auto track = [this, session, slice](absl::Status status) {
     loop_->AddBusy(-1);
@@ -1647,6 +1673,8 @@ void DataPlane::PostSlice(const std::shared_ptr<ReadSession>& session,
         track, Encode(h));
   };
   ForEachPiece(*session, slice, put);
+  // Whole blocks: the read is reported once, after its last block.
+  if (!per_layer && slice + 1 < session->slices) return;
   const uint32_t layers_done = per_layer ? slice + 1 : num_layers;
   std::optional<uint32_t> data_messages;
   if (by_messages) data_messages = session->data_messages;

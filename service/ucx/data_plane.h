@@ -411,6 +411,9 @@ class DataPlane {
                    bool whole_blocks);
   // Moves slices_checked past the slices with no check left, and posts.
   void PostCheckedSlices(const std::shared_ptr<ReadSession>& session);
+  // Moves slices_checked past the slices whose checks started and ended;
+  // true when it moved.
+  static bool AdvanceCheckedSlices(ReadSession& session);
   // The first of layers [first, end) of `block` whose bytes do not match
   // their checksum (ReadBlock::unchecked_layer_sums), or nullopt.
   static std::optional<uint32_t> FirstBadLayer(const store::ReadBlock& block,
