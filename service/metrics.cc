@@ -239,6 +239,23 @@ class Metrics::DataPlaneCollector : public prometheus::Collectable {
                          "UCX puts on its progress thread.",
                          MetricType::Counter));
     AddValue(&out.back(), g.copied_reads);
+    out.push_back(Family("kvcache_data_plane_reads_checked_while_copying_total",
+                         "Reads of blocks in place whose layer checksums the "
+                         "node checked in the pass that copied them into a "
+                         "client buffer it maps (shared memory).",
+                         MetricType::Counter));
+    AddValue(&out.back(), g.reads_checked_while_copying);
+    out.push_back(Family(
+        "kvcache_data_plane_reads_checked_before_sending_total",
+        "Reads of blocks in place whose layer checksums the node checked on "
+        "its worker pool before sending each slice (TCP, RDMA).",
+        MetricType::Counter));
+    AddValue(&out.back(), g.reads_checked_before_sending);
+    out.push_back(Family("kvcache_data_plane_read_slices_posted_total",
+                         "Slices of reads sent: one per layer for a read "
+                         "layer by layer, one per block for a whole read.",
+                         MetricType::Counter));
+    AddValue(&out.back(), g.read_slices_posted);
     return out;
   }
 

@@ -49,6 +49,9 @@ class Metrics {
     uint64_t pulled_blocks = 0;
     uint64_t message_reads = 0;
     uint64_t copied_reads = 0;
+    uint64_t reads_checked_while_copying = 0;
+    uint64_t reads_checked_before_sending = 0;
+    uint64_t read_slices_posted = 0;
   };
   // Without a source (no data plane) the kvcache_data_plane_* series are
   // absent.

@@ -111,6 +111,9 @@ absl::Status Node::StartDataPlane() {
     g.pulled_blocks = s.pulled_blocks;
     g.message_reads = s.message_reads;
     g.copied_reads = s.copied_reads;
+    g.reads_checked_while_copying = s.reads_checked_while_copying;
+    g.reads_checked_before_sending = s.reads_checked_before_sending;
+    g.read_slices_posted = s.read_slices_posted;
     return g;
   });
   return absl::OkStatus();

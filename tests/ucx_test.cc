@@ -759,6 +759,18 @@ TEST_P(UcxTest, AReadThatIsNotLayerByLayerGoesAsWholeBlocks) {
   EXPECT_EQ(
       stats.reads_checked_while_copying + stats.reads_checked_before_sending,
       clients.size() * 4);
+  // And the metrics say what the stats say.
+  const std::string metrics = node_->metrics()->Render();
+  for (const auto& [name, value] :
+       std::vector<std::pair<std::string, uint64_t>>{
+           {"reads_checked_while_copying", stats.reads_checked_while_copying},
+           {"reads_checked_before_sending", stats.reads_checked_before_sending},
+           {"read_slices_posted", stats.read_slices_posted}}) {
+    EXPECT_NE(metrics.find(absl::StrCat("kvcache_data_plane_", name, "_total ",
+                                        value, "\n")),
+              std::string::npos)
+        << name;
+  }
   ExpectNothingHeld(absl::Seconds(5));
 }
 
