@@ -507,10 +507,10 @@ TEST_P(ClusterModeTest, AsyncFuturesAndCallbacks) {
   }
   for (int c = 0; c < 4; ++c) {
     auto l = lookups[c].get();
-    ASSERT_TRUE(l.ok());
+    ASSERT_TRUE(l.ok()) << l.status();
     EXPECT_EQ(l->prefix_blocks, static_cast<uint32_t>(kBlocksPerChain));
     auto g = gets[c].get();
-    ASSERT_TRUE(g.ok());
+    ASSERT_TRUE(g.ok()) << g.status();
     ASSERT_EQ(g->prefix_blocks, static_cast<uint32_t>(kBlocksPerChain));
     for (uint32_t i = 0; i < g->prefix_blocks; ++i) {
       std::vector<uint16_t> out(data[c][i].size());
@@ -530,7 +530,7 @@ TEST_P(ClusterModeTest, AsyncFuturesAndCallbacks) {
                     called.Notify();
                   });
   ASSERT_TRUE(called.WaitForNotificationWithTimeout(absl::Seconds(10)));
-  ASSERT_TRUE(seen.ok());
+  ASSERT_TRUE(seen.ok()) << seen.status();
   EXPECT_EQ(seen->prefix_blocks, static_cast<uint32_t>(kBlocksPerChain));
   absl::SleepFor(absl::Milliseconds(50));
   EXPECT_EQ(calls.load(), 1);
