@@ -190,9 +190,16 @@ class Metrics::DataPlaneCollector : public prometheus::Collectable {
     std::vector<MetricFamily> out;
     if (!source) return out;
     DataPlaneGauges g = source();
-    auto gauge = [&](const char* name, const char* help, double v) {
-      out.push_back(Family(name, help, MetricType::Gauge));
+    auto add = [&](MetricType type, const char* name, const char* help,
+                   double v) {
+      out.push_back(Family(name, help, type));
       AddValue(&out.back(), v);
+    };
+    auto gauge = [&](const char* name, const char* help, double v) {
+      add(MetricType::Gauge, name, help, v);
+    };
+    auto counter = [&](const char* name, const char* help, double v) {
+      add(MetricType::Counter, name, help, v);
     };
     gauge("kvcache_data_plane_staging_capacity_bytes",
           "Bytes the UCX data plane may hold for transfers (--staging-bytes).",
@@ -213,49 +220,42 @@ class Metrics::DataPlaneCollector : public prometheus::Collectable {
     AddValue(&sessions, g.write_sessions, {{"kind", "write"}});
     AddValue(&sessions, g.read_sessions, {{"kind", "read"}});
     out.push_back(std::move(sessions));
-    out.push_back(Family("kvcache_data_plane_rejected_connections_total",
-                         "UCX connections closed for not presenting a valid "
-                         "token.",
-                         MetricType::Counter));
-    AddValue(&out.back(), g.rejected_connections);
+    counter("kvcache_data_plane_rejected_connections_total",
+            "UCX connections closed for not presenting a valid "
+            "token.",
+            g.rejected_connections);
     gauge("kvcache_data_plane_buffer_keys",
           "Remote keys of clients' long-lived buffers (DataBuffers) the node "
           "keeps on its connections.",
           g.buffer_keys);
-    out.push_back(Family("kvcache_data_plane_pulled_blocks_total",
-                         "Blocks encoded straight from a client buffer the "
-                         "node mapped (pulled writes: no copy).",
-                         MetricType::Counter));
-    AddValue(&out.back(), g.pulled_blocks);
-    out.push_back(Family("kvcache_data_plane_message_reads_total",
-                         "Reads whose blocks went to the client as data "
-                         "messages (rendezvous into its buffer) rather than "
-                         "puts, as on TCP.",
-                         MetricType::Counter));
-    AddValue(&out.back(), g.message_reads);
-    out.push_back(Family("kvcache_data_plane_copied_reads_total",
-                         "Reads the node copied into a client buffer it maps "
-                         "(shared memory) on its worker pool, rather than by "
-                         "UCX puts on its progress thread.",
-                         MetricType::Counter));
-    AddValue(&out.back(), g.copied_reads);
-    out.push_back(Family("kvcache_data_plane_reads_checked_while_copying_total",
-                         "Reads of blocks in place whose layer checksums the "
-                         "node checked in the pass that copied them into a "
-                         "client buffer it maps (shared memory).",
-                         MetricType::Counter));
-    AddValue(&out.back(), g.reads_checked_while_copying);
-    out.push_back(Family(
+    counter("kvcache_data_plane_pulled_blocks_total",
+            "Blocks encoded straight from a client buffer the "
+            "node mapped (pulled writes: no copy).",
+            g.pulled_blocks);
+    counter("kvcache_data_plane_message_reads_total",
+            "Reads whose blocks went to the client as data "
+            "messages (rendezvous into its buffer) rather than "
+            "puts, as on TCP.",
+            g.message_reads);
+    counter("kvcache_data_plane_copied_reads_total",
+            "Reads the node copied into a client buffer it maps "
+            "(shared memory) on its worker pool, rather than by "
+            "UCX puts on its progress thread.",
+            g.copied_reads);
+    counter("kvcache_data_plane_reads_checked_while_copying_total",
+            "Reads of blocks in place whose layer checksums the "
+            "node checked in the pass that copied them into a "
+            "client buffer it maps (shared memory).",
+            g.reads_checked_while_copying);
+    counter(
         "kvcache_data_plane_reads_checked_before_sending_total",
         "Reads of blocks in place whose layer checksums the node checked on "
         "its worker pool before sending each slice (TCP, RDMA).",
-        MetricType::Counter));
-    AddValue(&out.back(), g.reads_checked_before_sending);
-    out.push_back(Family("kvcache_data_plane_read_slices_posted_total",
-                         "Slices of reads sent: one per layer for a read "
-                         "layer by layer, one per block for a whole read.",
-                         MetricType::Counter));
-    AddValue(&out.back(), g.read_slices_posted);
+        g.reads_checked_before_sending);
+    counter("kvcache_data_plane_read_slices_posted_total",
+            "Slices of reads sent: one per layer for a read "
+            "layer by layer, one per block for a whole read.",
+            g.read_slices_posted);
     return out;
   }
 

@@ -229,6 +229,24 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     EXPECT_EQ(st.reserved_bytes, 0u);
   }
 
+  // After a read of a chain of fp16 blocks 0.. that hit corrupt block
+  // `bad` (of `stride` bytes each): the node counted one data loss and
+  // dropped that block, and still reads blocks [0, bad) exact.
+  void ExpectDroppedAndTheRestExact(const std::string& ns, int bad,
+                                    size_t stride) {
+    EXPECT_EQ(node_->store()->Stats().data_loss_events, 1u);
+    EXPECT_EQ(client_->Get(ns, Keys(bad, 1), ReadFormat::kRaw).status().code(),
+              absl::StatusCode::kNotFound);
+    auto rest = client_->Get(ns, Keys(0, bad), ReadFormat::kFp16);
+    ASSERT_TRUE(rest.ok()) << rest.status();
+    for (int b = 0; b < bad; ++b) {
+      ASSERT_EQ(rest->blocks[b].bytes.size(), stride);
+      EXPECT_EQ(
+          std::memcmp(rest->blocks[b].bytes.data(), data_[b].data(), stride), 0)
+          << "block " << b;
+    }
+  }
+
   std::unique_ptr<service::Node> node_;
   std::unique_ptr<Client> client_;       // kUcx
   std::unique_ptr<Client> grpc_client_;  // kGrpc
@@ -665,19 +683,7 @@ TEST_P(UcxTest, ACorruptLayerFailsTheReadBeforeItIsReported) {
   EXPECT_EQ(failed.code(), absl::StatusCode::kDataLoss) << failed;
   EXPECT_TRUE(absl::StrContains(failed.message(), "block 5")) << failed;
   EXPECT_EQ((*read)->Wait().code(), absl::StatusCode::kDataLoss);
-  EXPECT_EQ(node_->store()->Stats().data_loss_events, 1u);
-  EXPECT_EQ(
-      client_->Get("checked", Keys(5, 1), ReadFormat::kRaw).status().code(),
-      absl::StatusCode::kNotFound);
-  // The rest reads as before.
-  auto rest = client_->Get("checked", Keys(0, 5), ReadFormat::kFp16);
-  ASSERT_TRUE(rest.ok()) << rest.status();
-  for (int b = 0; b < 5; ++b) {
-    ASSERT_EQ(rest->blocks[b].bytes.size(), stride);
-    EXPECT_EQ(
-        std::memcmp(rest->blocks[b].bytes.data(), data_[b].data(), stride), 0)
-        << "block " << b;
-  }
+  ExpectDroppedAndTheRestExact("checked", 5, stride);
   const ucx::DataPlaneStats stats = node_->data_plane()->Stats();
   if (GetParam().tcp()) {
     EXPECT_GT(stats.reads_checked_before_sending, 0u);
@@ -771,6 +777,36 @@ TEST_P(UcxTest, AReadThatIsNotLayerByLayerGoesAsWholeBlocks) {
               std::string::npos)
         << name;
   }
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
+// A whole-block read (not layer by layer) of a corrupt block fails
+// DATA_LOSS naming it, reports no layer before that, drops the block and
+// holds nothing afterwards; the other blocks read exact.
+TEST_P(UcxTest, ACorruptBlockFailsAWholeBlockRead) {
+  const kernels::BlockShape shape = LargeShape();
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("whole-bad", Codec::kNone, shape)).ok());
+  constexpr int kBlocks = 8;
+  ASSERT_TRUE(PutChain(client_.get(), "whole-bad", shape, 0, kBlocks).ok());
+  const size_t stride = kernels::Fp16BlockBytes(shape);
+  const size_t layer = stride / shape.num_layers;
+  ASSERT_TRUE(node_->store()
+                  ->CorruptBlockForTest("whole-bad", Key(5), /*header=*/false,
+                                        2 * layer + 3)
+                  .ok());
+  auto buffer = client_->AllocateBuffer(kBlocks * stride);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  ReadOptions options;
+  options.layer_by_layer = false;
+  auto read = client_->GetInto("whole-bad", Keys(0, kBlocks), options,
+                               (*buffer)->span(), stride);
+  ASSERT_TRUE(read.ok()) << read.status();
+  const absl::Status first = (*read)->WaitLayer(0);
+  EXPECT_EQ(first.code(), absl::StatusCode::kDataLoss) << first;
+  EXPECT_TRUE(absl::StrContains(first.message(), "block 5")) << first;
+  EXPECT_EQ((*read)->Wait().code(), absl::StatusCode::kDataLoss);
+  ExpectDroppedAndTheRestExact("whole-bad", 5, stride);
   ExpectNothingHeld(absl::Seconds(5));
 }
 

@@ -1191,16 +1191,16 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
 }
 
 bool DataPlane::ChecksFollowSlices(const ReadSession& session) {
-  for (size_t b = 0; b < session.result.blocks.size(); ++b) {
-    const std::vector<uint64_t>& ends =
-        session.result.blocks[b].unchecked_layer_ends;
-    if (ends.empty()) continue;
-    auto on_bound = [&](uint64_t at) {
-      return at == 0 || std::binary_search(ends.begin(), ends.end(), at);
-    };
-    for (uint32_t slice = 0; slice < session.slices; ++slice) {
+  for (uint32_t slice = 0; slice < session.slices; ++slice) {
+    const auto [first, last] = SliceBlocks(session, slice);
+    for (size_t b = first; b < last; ++b) {
+      const std::vector<uint64_t>& ends =
+          session.result.blocks[b].unchecked_layer_ends;
+      auto on_bound = [&](uint64_t at) {
+        return at == 0 || std::binary_search(ends.begin(), ends.end(), at);
+      };
       uint64_t start, end;
-      if (SliceRange(session, slice, b, &start, &end) &&
+      if (!ends.empty() && SliceRange(session, slice, b, &start, &end) &&
           (!on_bound(start) || !on_bound(end))) {
         return false;
       }
@@ -1264,7 +1264,10 @@ void DataPlane::StartChecks(const std::shared_ptr<ReadSession>& session,
   };
   std::vector<std::vector<Unit>> tasks(1);
   uint64_t task_bytes = 0;
-  for (size_t b = 0; b < session->result.blocks.size(); ++b) {
+  const auto [first_block, end_block] =
+      whole_blocks ? std::pair<size_t, size_t>{0, session->result.blocks.size()}
+                   : SliceBlocks(*session, slice);
+  for (size_t b = first_block; b < end_block; ++b) {
     const store::ReadBlock& block = session->result.blocks[b];
     const std::vector<uint64_t>& ends = block.unchecked_layer_ends;
     uint64_t start = 0, end = block.size();
@@ -1416,6 +1419,13 @@ void DataPlane::PostNextSlice(const std::shared_ptr<ReadSession>& session) {
   SliceSent(session, slice);
 }
 
+std::pair<size_t, size_t> DataPlane::SliceBlocks(const ReadSession& session,
+                                                 uint32_t slice) {
+  const size_t blocks = session.result.blocks.size();
+  if (session.per_layer) return {0, blocks};
+  return {std::min<size_t>(slice, blocks), std::min<size_t>(slice + 1, blocks)};
+}
+
 bool DataPlane::SliceRange(const ReadSession& session, uint32_t slice, size_t b,
                            uint64_t* start, uint64_t* end) {
   const uint64_t size = session.result.blocks[b].size();
@@ -1456,7 +1466,8 @@ void DataPlane::ForEachPieceOf(
 void DataPlane::ForEachPiece(
     const ReadSession& session, uint32_t slice,
     absl::FunctionRef<void(const uint8_t*, uint64_t, size_t, uint64_t)> fn) {
-  for (size_t b = 0; b < session.result.blocks.size(); ++b) {
+  const auto [first, last] = SliceBlocks(session, slice);
+  for (size_t b = first; b < last; ++b) {
     uint64_t start, end;
     if (!SliceRange(session, slice, b, &start, &end)) continue;
     ForEachPieceOf(session.result.blocks[b], start, end,
@@ -1525,7 +1536,8 @@ void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
   // each checked layer is hashed by one task.
   std::vector<std::vector<CopyPiece>> tasks(1);
   uint64_t task_bytes = 0;
-  for (size_t b = 0; b < session->result.blocks.size(); ++b) {
+  const auto [first_block, end_block] = SliceBlocks(*session, slice);
+  for (size_t b = first_block; b < end_block; ++b) {
     uint64_t start, end;
     if (!SliceRange(*session, slice, b, &start, &end)) continue;
     if (task_bytes >= kCopyTaskBytes) {

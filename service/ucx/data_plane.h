@@ -85,6 +85,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -384,6 +385,10 @@ class DataPlane {
   static void ForEachPiece(
       const ReadSession& session, uint32_t slice,
       absl::FunctionRef<void(const uint8_t*, uint64_t, size_t, uint64_t)> fn);
+  // The blocks [first, end) that `slice` may move bytes of: every block for
+  // a slice of layers, block `slice` alone for a slice of whole blocks.
+  static std::pair<size_t, size_t> SliceBlocks(const ReadSession& session,
+                                               uint32_t slice);
   // The bytes [*start, *end) of block `b` that `slice` moves; false when it
   // moves none of them.
   static bool SliceRange(const ReadSession& session, uint32_t slice, size_t b,
