@@ -358,6 +358,16 @@ absl::Status EncodeBlock(const BlockShape& shape, const CodecPolicy& policy,
                     /*fast=*/true);
 }
 
+absl::Status CheckEncodable(const BlockShape& shape,
+                            absl::Span<const uint16_t> fp16_in) {
+  if (fp16_in.size() != Fp16BlockBytes(shape) / 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CheckEncodable: input holds ", fp16_in.size(),
+        " fp16 values, the block shape needs ", Fp16BlockBytes(shape) / 2));
+  }
+  return CheckFinite(shape, fp16_in, &internal::FindRejectedSimd);
+}
+
 absl::Status DecodeBlock(const BlockShape& shape, const CodecPolicy& policy,
                          absl::Span<const uint8_t> encoded_in,
                          absl::Span<uint16_t> fp16_out) {

@@ -97,6 +97,12 @@ std::vector<size_t> EncodedLayerOffsets(const BlockShape& shape,
 absl::Status EncodeBlock(const BlockShape& shape, const CodecPolicy& policy,
                          absl::Span<const uint16_t> fp16_in,
                          absl::Span<uint8_t> encoded_out);
+// What EncodeBlock answers for `fp16_in` with codec none, without writing
+// anything: OK, or INVALID_ARGUMENT for a span of the wrong size or
+// rejected input (the same message). For bytes that are already where
+// codec none would copy them (received into a block's pages).
+absl::Status CheckEncodable(const BlockShape& shape,
+                            absl::Span<const uint16_t> fp16_in);
 // INVALID_ARGUMENT for an invalid policy or spans of the wrong size.
 absl::Status DecodeBlock(const BlockShape& shape, const CodecPolicy& policy,
                          absl::Span<const uint8_t> encoded_in,

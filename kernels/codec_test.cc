@@ -370,6 +370,35 @@ TEST(CodecApiTest, RejectsNonFiniteNamingLayerAndHead) {
   }
 }
 
+TEST(CodecApiTest, CheckEncodableAnswersAsCodecNoneEncodes) {
+  const BlockShape shape{3, 4, 16, 8};
+  CodecPolicy none;
+  std::vector<uint16_t> in = GaussianBlock(shape, 3);
+  EXPECT_TRUE(CheckEncodable(shape, in).ok());
+  for (size_t i : {size_t{0}, in.size() / 2 + 5, in.size() - 1}) {
+    for (uint16_t bad : {uint16_t{0x7C00}, uint16_t{0xFE01}}) {
+      std::vector<uint16_t> b = in;
+      b[i] = bad;
+      std::vector<uint8_t> out(EncodedBlockBytes(shape, none));
+      const absl::Status encoded =
+          EncodeBlock(shape, none, b, absl::MakeSpan(out));
+      const absl::Status checked = CheckEncodable(shape, b);
+      EXPECT_EQ(checked.code(), absl::StatusCode::kInvalidArgument) << i;
+      EXPECT_EQ(checked, encoded) << i;
+    }
+  }
+  EXPECT_EQ(CheckEncodable(shape, absl::MakeConstSpan(in).subspan(1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  // bf16 sources: a finite magnitude >= 2^126 is refused as well.
+  BlockShape bf16 = shape;
+  bf16.source_dtype = SourceDtype::kBf16;
+  std::vector<uint16_t> big(in.size(), 0x3F80);  // 1.0
+  EXPECT_TRUE(CheckEncodable(bf16, big).ok());
+  big[17] = 0x7E80;  // 2^126
+  EXPECT_EQ(CheckEncodable(bf16, big).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(CodecRoundTripTest, NoneIsExact) {
   const BlockShape shape{3, 2, 64, 16};
   std::vector<uint16_t> in = GaussianBlock(shape, 1, 100.0f);

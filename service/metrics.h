@@ -47,6 +47,7 @@ class Metrics {
     uint64_t rejected_connections = 0;
     uint64_t buffer_keys = 0;
     uint64_t pulled_blocks = 0;
+    uint64_t blocks_received_in_place = 0;
     uint64_t message_reads = 0;
     uint64_t copied_reads = 0;
     uint64_t reads_checked_while_copying = 0;

@@ -109,6 +109,7 @@ absl::Status Node::StartDataPlane() {
     g.rejected_connections = s.rejected_connections;
     g.buffer_keys = s.buffer_keys;
     g.pulled_blocks = s.pulled_blocks;
+    g.blocks_received_in_place = s.blocks_received_in_place;
     g.message_reads = s.message_reads;
     g.copied_reads = s.copied_reads;
     g.reads_checked_while_copying = s.reads_checked_while_copying;

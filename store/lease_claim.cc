@@ -57,6 +57,52 @@ void WriteClaim::AbortIfHeld() {
   store_ = nullptr;
 }
 
+// -------------------------------------------------------------- InPlaceClaim
+
+absl::StatusOr<InPlaceClaim> InPlaceClaim::Take(Store* store, uint64_t write_id,
+                                                uint32_t index) {
+  absl::StatusOr<absl::Span<uint8_t>> bytes =
+      store->ClaimInPlace(write_id, index);
+  if (!bytes.ok()) return bytes.status();
+  return InPlaceClaim(store, write_id, index, *bytes);
+}
+
+InPlaceClaim::~InPlaceClaim() { GiveUpIfHeld(); }
+
+InPlaceClaim::InPlaceClaim(InPlaceClaim&& other) noexcept
+    : store_(std::exchange(other.store_, nullptr)),
+      write_id_(std::exchange(other.write_id_, 0)),
+      index_(std::exchange(other.index_, 0)),
+      bytes_(std::exchange(other.bytes_, {})) {}
+
+InPlaceClaim& InPlaceClaim::operator=(InPlaceClaim&& other) noexcept {
+  if (this != &other) {
+    GiveUpIfHeld();
+    store_ = std::exchange(other.store_, nullptr);
+    write_id_ = std::exchange(other.write_id_, 0);
+    index_ = std::exchange(other.index_, 0);
+    bytes_ = std::exchange(other.bytes_, {});
+  }
+  return *this;
+}
+
+absl::Status InPlaceClaim::Stage() {
+  Store* store = std::exchange(store_, nullptr);
+  bytes_ = {};
+  if (store == nullptr) {
+    return absl::FailedPreconditionError("the in-place claim holds no block");
+  }
+  return store->FinishInPlace(write_id_, index_, /*landed=*/true);
+}
+
+void InPlaceClaim::GiveUpIfHeld() {
+  if (store_ == nullptr) return;
+  // Only INTERNAL (a claim the store does not know), which cannot be.
+  store_->FinishInPlace(write_id_, index_, /*landed=*/false).IgnoreError();
+  store_ = nullptr;
+  bytes_ = {};
+}
+
 // ----------------------------------------------------------------- ReadClaim
 
 ReadClaim::ReadClaim(Store* store, uint64_t lease_id)

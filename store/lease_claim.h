@@ -65,7 +65,7 @@ class WriteClaim {
       absl::Span<const Store::Payload> payloads);
   // Store::AbortWrite; the claim is empty afterwards. FAILED_PRECONDITION:
   // the lease had expired or ended. ABORTED: it is being committed or
-  // staged, and stays until its TTL.
+  // staged, and ends when that ends.
   absl::Status Abort();
   // Hands the lease back to the table, where its TTL ends it unless another
   // claim or an id-based call does first; returns its id (0 when empty).
@@ -77,6 +77,45 @@ class WriteClaim {
 
   Store* store_ = nullptr;
   uint64_t id_ = 0;
+};
+
+// The duty to finish one block received in place (Store::ClaimInPlace):
+// while it is held, the block's span stays the block's and its write
+// cannot end, so a transfer writing into the span must own the claim
+// until the transfer has ended.
+class InPlaceClaim {
+ public:
+  // Empty: holds no block.
+  InPlaceClaim() = default;
+  // Store::ClaimInPlace; its errors.
+  static absl::StatusOr<InPlaceClaim> Take(Store* store, uint64_t write_id,
+                                           uint32_t index);
+  // Gives the block up unstaged (FinishInPlace without `landed`) if the
+  // claim still holds it.
+  ~InPlaceClaim();
+  InPlaceClaim(InPlaceClaim&& other) noexcept;
+  InPlaceClaim& operator=(InPlaceClaim&& other) noexcept;
+  InPlaceClaim(const InPlaceClaim&) = delete;
+  InPlaceClaim& operator=(const InPlaceClaim&) = delete;
+
+  bool held() const { return store_ != nullptr; }
+  // Where the block's fp16 bytes go (empty when the claim is).
+  absl::Span<uint8_t> bytes() const { return bytes_; }
+
+  // The bytes have landed: Store::FinishInPlace(landed = true), which
+  // checks, seals and stages the block. The claim is empty afterwards.
+  absl::Status Stage();
+
+ private:
+  InPlaceClaim(Store* store, uint64_t write_id, uint32_t index,
+               absl::Span<uint8_t> bytes)
+      : store_(store), write_id_(write_id), index_(index), bytes_(bytes) {}
+  void GiveUpIfHeld();
+
+  Store* store_ = nullptr;
+  uint64_t write_id_ = 0;
+  uint32_t index_ = 0;
+  absl::Span<uint8_t> bytes_;
 };
 
 // The duty to end one read lease (a BeginRead with keep_lease, or a Lookup

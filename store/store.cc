@@ -252,7 +252,11 @@ struct Store::WriteLease {
   std::vector<uint8_t> staged;
   absl::Time deadline;
   bool committing = false;
-  int staging = 0;  // StageBlock calls running; the pages are in use
+  // StageBlock calls and in-place claims running; the pages are in use.
+  int staging = 0;
+  // AbortWrite came while `staging` > 0: the lease is stale to every call
+  // from then on, and the last staging to end releases it.
+  bool aborted = false;
 };
 
 namespace {
@@ -937,8 +941,8 @@ absl::Status Store::CheckLeaseHolder(uint64_t lease_id, bool read,
       return absl::FailedPreconditionError(kStaleReadLease);
     }
   } else {
-    auto it = write_leases_.find(lease_id);
-    if (it == write_leases_.end() || it->second->holder != holder) {
+    const WriteLease* lease = LiveWriteLeaseLocked(lease_id);
+    if (lease == nullptr || lease->holder != holder) {
       return absl::FailedPreconditionError(kStaleWriteLease);
     }
   }
@@ -1069,6 +1073,10 @@ absl::StatusOr<BeginWriteResult> Store::BeginWrite(const std::string& ns_name,
 
   BeginWriteResult result;
   result.present = lease->present;
+  result.in_place.resize(lease->present.size());
+  for (size_t i = 0; i < lease->present.size(); ++i) {
+    result.in_place[i] = InPlaceOffset(*ns, lease->pages[i]).has_value();
+  }
   result.fp16_block_bytes = ns->info.fp16_block_bytes;
   result.deadline = lease->deadline;
   MutexLock lock(&lease_mu_);
@@ -1082,19 +1090,18 @@ absl::StatusOr<CommitResult> Store::CommitWrite(
   WriteLease* lease = nullptr;
   {
     MutexLock lock(&lease_mu_);
-    auto it = write_leases_.find(write_id);
-    if (it == write_leases_.end()) {
+    lease = LiveWriteLeaseLocked(write_id);
+    if (lease == nullptr) {
       return absl::FailedPreconditionError(kStaleWriteLease);
     }
-    if (it->second->committing) {
+    if (lease->committing) {
       return absl::FailedPreconditionError(
           "this write lease is being committed by another call");
     }
-    if (it->second->staging > 0) {
+    if (lease->staging > 0) {
       return absl::FailedPreconditionError(
           "blocks of this write are still being staged");
     }
-    lease = it->second.get();
     lease->committing = true;  // the reaper leaves it alone from now on
   }
   // From here the lease and its pages are ours alone: leases being committed
@@ -1262,13 +1269,7 @@ absl::Status Store::EncodeToPages(const Namespace& ns, absl::string_view key,
     quantize_observer_(policy.codec,
                        absl::ToDoubleSeconds(absl::Now() - start));
   }
-  const std::vector<uint64_t> layer_sums =
-      LayerChecksums(out, residual ? ns.residual_layer_ends : ns.layer_ends);
-  status = WriteBlockMetadata(
-      pages,
-      MakeBlockHeader(shape, policy, info.fingerprint, key, out.size(),
-                      CombineLayerChecksums(layer_sums)),
-      layer_sums);
+  status = SealPayload(ns, key, out, pages);
   if (status.ok() && out.data() == scratch->data()) {
     status = pool_.Scatter(pages, out);
   }
@@ -1278,30 +1279,88 @@ absl::Status Store::EncodeToPages(const Namespace& ns, absl::string_view key,
   return status;
 }
 
+absl::Status Store::SealPayload(const Namespace& ns, absl::string_view key,
+                                absl::Span<const uint8_t> payload,
+                                const PageList& pages) {
+  const bool residual = ns.window_blocks > 0;
+  const std::vector<uint64_t> layer_sums = LayerChecksums(
+      payload, residual ? ns.residual_layer_ends : ns.layer_ends);
+  return WriteBlockMetadata(
+      pages,
+      MakeBlockHeader(ns.info.config.shape,
+                      residual ? ns.residual_policy : ns.info.config.policy,
+                      ns.info.fingerprint, key, payload.size(),
+                      CombineLayerChecksums(layer_sums)),
+      layer_sums);
+}
+
+absl::Status Store::SealInPlace(const Namespace& ns, absl::string_view key,
+                                absl::Span<const uint8_t> fp16,
+                                const PageList& pages) {
+  // Received where it lies: only the check that codec none's encoding
+  // makes is left (the bytes are aligned, as the arena's pages are).
+  absl::Time start = absl::Now();
+  absl::Status status = kernels::CheckEncodable(
+      ns.info.config.shape,
+      absl::MakeConstSpan(reinterpret_cast<const uint16_t*>(fp16.data()),
+                          fp16.size() / 2));
+  if (!status.ok()) return status;
+  if (quantize_observer_) {
+    quantize_observer_(Codec::kNone,
+                       absl::ToDoubleSeconds(absl::Now() - start));
+  }
+  return SealPayload(ns, key, fp16, pages);
+}
+
+Store::WriteLease* Store::LiveWriteLeaseLocked(uint64_t write_id) const {
+  auto it = write_leases_.find(write_id);
+  if (it == write_leases_.end() || it->second->aborted) return nullptr;
+  return it->second.get();
+}
+
+absl::StatusOr<Store::WriteLease*> Store::ClaimBlockLocked(uint64_t write_id,
+                                                           uint32_t index) {
+  WriteLease* lease = LiveWriteLeaseLocked(write_id);
+  if (lease == nullptr) return absl::FailedPreconditionError(kStaleWriteLease);
+  if (lease->committing) {
+    return absl::FailedPreconditionError("write lease is being committed");
+  }
+  if (index >= lease->blocks.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block index ", index, " is outside the write's ",
+                     lease->blocks.size(), " blocks"));
+  }
+  if (lease->present[index] || lease->staged[index]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block ", index, " is stored already or was staged before"));
+  }
+  lease->staged[index] = 1;  // claimed: a second call for it is refused
+  ++lease->staging;
+  return lease;
+}
+
+void Store::EndStaging(uint64_t write_id, WriteLease* lease, uint32_t index,
+                       bool staged) {
+  bool release;
+  {
+    MutexLock lock(&lease_mu_);
+    if (!staged) lease->staged[index] = 0;
+    release = --lease->staging == 0 && lease->aborted;
+  }
+  // An aborted lease is stale to every other call: nothing but this and
+  // the reaper (which leaves a lease alone while it is staging) can find
+  // it, so it is this call's to release.
+  if (release) ReleaseWriteLease(write_id);
+}
+
 absl::Status Store::StageBlock(uint64_t write_id, uint32_t index,
                                absl::Span<const uint8_t> fp16) {
   WriteLease* lease;
   {
     MutexLock lock(&lease_mu_);
-    auto it = write_leases_.find(write_id);
-    if (it == write_leases_.end()) {
-      return absl::FailedPreconditionError(kStaleWriteLease);
-    }
-    lease = it->second.get();
-    if (lease->committing) {
-      return absl::FailedPreconditionError("write lease is being committed");
-    }
-    if (index >= lease->blocks.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("block index ", index, " is outside the write's ",
-                       lease->blocks.size(), " blocks"));
-    }
-    if (lease->present[index] || lease->staged[index]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "block ", index, " is stored already or was staged before"));
-    }
-    lease->staged[index] = 1;  // claimed: a second call for it is refused
-    ++lease->staging;
+    absl::StatusOr<WriteLease*> claimed = ClaimBlockLocked(write_id, index);
+    if (!claimed.ok()) return claimed.status();
+    lease = *claimed;
   }
   // The lease cannot expire, commit, abort or be dropped while `staging` >
   // 0, and block `index`'s pages are this call's alone.
@@ -1320,28 +1379,93 @@ absl::Status Store::StageBlock(uint64_t write_id, uint32_t index,
           status.code(), absl::StrCat("block ", index, ": ", status.message()));
     }
   }
+  EndStaging(write_id, lease, index, status.ok());
+  return status;
+}
+
+std::optional<uint64_t> Store::InPlaceOffset(const Namespace& ns,
+                                             const PageList& pages) const {
+  // Stored as its fp16 bytes: codec none, or a KIVI residual window.
+  if (ns.window_blocks == 0 && ns.info.config.policy.codec != Codec::kNone) {
+    return std::nullopt;
+  }
+  if (arena_->host_base() == nullptr || pages.count == 0) return std::nullopt;
+  return pool_.SingleRunOffset(pages, ns.info.fp16_block_bytes);
+}
+
+absl::StatusOr<absl::Span<uint8_t>> Store::ClaimInPlace(uint64_t write_id,
+                                                        uint32_t index) {
   MutexLock lock(&lease_mu_);
-  if (!status.ok()) lease->staged[index] = 0;
-  --lease->staging;
+  absl::StatusOr<WriteLease*> claimed = ClaimBlockLocked(write_id, index);
+  if (!claimed.ok()) return claimed.status();
+  WriteLease* lease = *claimed;
+  const Namespace& ns = *lease->ns.get();
+  std::optional<uint64_t> offset = InPlaceOffset(ns, lease->pages[index]);
+  if (!offset.has_value()) {
+    lease->staged[index] = 0;
+    --lease->staging;  // not aborted: ClaimBlockLocked found it live
+    return absl::FailedPreconditionError(absl::StrCat(
+        "block ", index, " of this write cannot be received in place"));
+  }
+  return absl::MakeSpan(arena_->host_base() + *offset,
+                        ns.info.fp16_block_bytes);
+}
+
+absl::Status Store::FinishInPlace(uint64_t write_id, uint32_t index,
+                                  bool landed) {
+  WriteLease* lease;
+  bool aborted;
+  {
+    MutexLock lock(&lease_mu_);
+    auto it = write_leases_.find(write_id);
+    // Only a caller that holds the claim gets here, and the claim keeps the
+    // lease (aborted or not) in the table.
+    if (it == write_leases_.end() || index >= it->second->blocks.size() ||
+        !it->second->staged[index] || it->second->staging == 0) {
+      return absl::InternalError(absl::StrCat(
+          "block ", index, " of write ", write_id, " has no in-place claim"));
+    }
+    lease = it->second.get();
+    aborted = lease->aborted;
+  }
+  absl::Status status;
+  if (landed && aborted) {
+    status = absl::FailedPreconditionError(kStaleWriteLease);
+  } else if (landed) {
+    const Namespace& ns = *lease->ns.get();
+    const PageList& pages = lease->pages[index];
+    const uint64_t offset = *InPlaceOffset(ns, pages);
+    status = SealInPlace(ns, lease->blocks[index].key,
+                         absl::MakeConstSpan(arena_->host_base() + offset,
+                                             ns.info.fp16_block_bytes),
+                         pages);
+    if (!status.ok()) {
+      status = absl::Status(
+          status.code(), absl::StrCat("block ", index, ": ", status.message()));
+    }
+  }
+  EndStaging(write_id, lease, index, landed && status.ok());
   return status;
 }
 
 absl::Status Store::AbortWrite(uint64_t write_id) {
   {
     MutexLock lock(&lease_mu_);
-    auto it = write_leases_.find(write_id);
-    if (it == write_leases_.end()) {
+    WriteLease* lease = LiveWriteLeaseLocked(write_id);
+    if (lease == nullptr)
       return absl::FailedPreconditionError(kStaleWriteLease);
-    }
     // ABORTED, not FAILED_PRECONDITION: the write is live and ends with the
-    // call using it (or by its TTL); a caller that must know when nothing
-    // reads its bytes any more asks again.
-    if (it->second->committing) {
+    // call using it (a commit stores or fails; the last staging releases
+    // it); a caller that must know when nothing reads its bytes any more
+    // asks again.
+    if (lease->committing) {
       return absl::AbortedError("write lease is being committed; try again");
     }
-    if (it->second->staging > 0) {
+    if (lease->staging > 0) {
+      lease->aborted = true;  // the last staging to end releases it
       return absl::AbortedError(
-          "blocks of this write are being staged; abort after they finish");
+          "blocks of this write are being staged; the write ends when they "
+          "finish");
     }
   }
   ReleaseWriteLease(write_id);

@@ -73,6 +73,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -179,6 +180,9 @@ struct LookupResult {
 struct BeginWriteResult {
   uint64_t write_id = 0;
   std::vector<bool> present;
+  // Per block: whether Store::ClaimInPlace gives it the span it is stored
+  // in (false where present).
+  std::vector<bool> in_place;
   uint64_t fp16_block_bytes = 0;
   absl::Time deadline;
 };
@@ -351,9 +355,11 @@ class Store {
   absl::StatusOr<CommitResult> CommitWrite(uint64_t write_id,
                                            absl::Span<const Payload> payloads);
   // Releases an open write and its reserved pages. FAILED_PRECONDITION for
-  // an unknown, expired, committed or aborted id (a stale lease); ABORTED
-  // while a CommitWrite or StageBlock is using it (it then ends with that
-  // call, or by its TTL).
+  // an unknown, expired, committed or aborted id (a stale lease). ABORTED
+  // while a CommitWrite is using it (it then ends with that call) or while
+  // blocks are being staged (StageBlock, ClaimInPlace): the write is stale
+  // from then on (nothing more is staged or committed) and its pages go
+  // back when the last staging ends.
   absl::Status AbortWrite(uint64_t write_id);
 
   // Encodes block `index` of an open write into its reserved pages now, so
@@ -367,6 +373,25 @@ class Store {
   // (then the block is not staged and may be sent again).
   absl::Status StageBlock(uint64_t write_id, uint32_t index,
                           absl::Span<const uint8_t> fp16);
+
+  // StageBlock without the copy, for a transport that can receive block
+  // `index` of open write `write_id` where it will be stored: when the
+  // block is stored as its fp16 bytes (codec none, or a namespace's KIVI
+  // residual window) in one run of a host arena's pages
+  // (BeginWriteResult::in_place), the span of the arena those bytes go to.
+  // The block is claimed as StageBlock claims it (the lease cannot expire,
+  // commit or be dropped, and an abort waits) until FinishInPlace, which
+  // the caller must call exactly once (store::InPlaceClaim does).
+  // FAILED_PRECONDITION for a stale or committing lease or a block that
+  // cannot be received in place; INVALID_ARGUMENT as StageBlock.
+  absl::StatusOr<absl::Span<uint8_t>> ClaimInPlace(uint64_t write_id,
+                                                   uint32_t index);
+  // Ends a ClaimInPlace. With `landed` the span holds the block's fp16
+  // bytes: they are checked as StageBlock checks a payload (INVALID_ARGUMENT
+  // for rejected values), checksummed and sealed, and the block is staged.
+  // Without (the transfer failed), when the check fails, or when the write
+  // was aborted meanwhile, the block is not staged (it may be sent again).
+  absl::Status FinishInPlace(uint64_t write_id, uint32_t index, bool landed);
 
   // Pins the blocks of `keys`, verifies and copies them out in
   // options.format. A nonzero options.pin_lease_id must name a live read
@@ -553,6 +578,29 @@ class Store {
   // Returns true when it released the lease. With if_idle, a lease that a
   // commit or a StageBlock is using is left alone.
   bool ReleaseWriteLease(uint64_t id, bool if_idle = false);
+  // The live (not aborted) write lease `write_id`, or null.
+  WriteLease* LiveWriteLeaseLocked(uint64_t write_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_mu_);
+  // Claims block `index` of a live write for staging (StageBlock's checks).
+  absl::StatusOr<WriteLease*> ClaimBlockLocked(uint64_t write_id,
+                                               uint32_t index)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_mu_);
+  // Ends a claim of ClaimBlockLocked; releases an aborted lease at its last.
+  void EndStaging(uint64_t write_id, WriteLease* lease, uint32_t index,
+                  bool staged);
+  // Where a block of `ns` on `pages` can be received in place (see
+  // ClaimInPlace): the arena offset of its payload, or nullopt.
+  std::optional<uint64_t> InPlaceOffset(const Namespace& ns,
+                                        const PageList& pages) const;
+  // Writes header and layer checksums of `payload`, a block of `ns` as new
+  // blocks are stored, into `pages` (the payload's bytes are not copied).
+  absl::Status SealPayload(const Namespace& ns, absl::string_view key,
+                           absl::Span<const uint8_t> payload,
+                           const PageList& pages);
+  // Checks the fp16 block received into its pages, then SealPayload.
+  absl::Status SealInPlace(const Namespace& ns, absl::string_view key,
+                           absl::Span<const uint8_t> fp16,
+                           const PageList& pages);
   // Encodes one fp16 block as its namespace stores new blocks and writes
   // header, layer checksums and payload into `pages`, which the caller owns.
   absl::Status EncodeToPages(const Namespace& ns, absl::string_view key,

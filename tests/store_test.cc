@@ -827,6 +827,150 @@ TEST(StoreTest, APayloadForAStagedBlockIsRefusedAndNothingIsStored) {
   EXPECT_EQ(store->Stats().reserved_bytes, 0u);
 }
 
+TEST(StoreTest, AWriteAbortedWhileABlockIsStagedEndsWhenTheStagingDoes) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  std::vector<uint16_t> d = RandomBlock(SmallShape(), 1);
+  auto bytes = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(d.data()),
+                                   d.size() * 2);
+  auto begin =
+      store->BeginWrite("ns", {{Key(1), ""}, {Key(2), ""}}, absl::Seconds(60));
+  ASSERT_TRUE(begin.ok());
+  // The observer runs inside StageBlock, after the encoding: the abort
+  // arrives while the block's pages are in use.
+  absl::Status abort_status = absl::UnknownError("not called");
+  store->SetQuantizeObserver([&](Codec, double) {
+    abort_status = store->AbortWrite(begin->write_id);
+  });
+  EXPECT_TRUE(store->StageBlock(begin->write_id, 0, bytes).ok());
+  EXPECT_EQ(abort_status.code(), absl::StatusCode::kAborted) << abort_status;
+  // The abort took effect once the staging ended, not at the TTL a minute
+  // later: the pages are back and the lease is gone.
+  EXPECT_EQ(store->Stats().reserved_bytes, 0u);
+  EXPECT_EQ(store->StageBlock(begin->write_id, 1, bytes).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->CommitWrite(begin->write_id, {}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->ExpireLeases(absl::Now() + absl::Minutes(5)), 0);
+}
+
+// Lands block `i`'s test data in a claim's span.
+void Land(const InPlaceClaim& claim, int i) {
+  std::vector<uint16_t> d = RandomBlock(SmallShape(), i);
+  ASSERT_EQ(claim.bytes().size(), d.size() * 2);
+  std::memcpy(claim.bytes().data(), d.data(), d.size() * 2);
+}
+
+TEST(StoreTest, BlocksReceivedInPlaceAreStoredAsIfStaged) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("none", Codec::kNone)).ok());
+  ASSERT_TRUE(
+      store->RegisterNamespace(Config("window", Codec::kKivi2, 64)).ok());
+  for (const char* ns : {"none", "window"}) {
+    SCOPED_TRACE(ns);
+    auto begin = store->BeginWrite(
+        ns, {{Key(0), ""}, {Key(1), ""}, {Key(2), ""}}, absl::Seconds(10));
+    ASSERT_TRUE(begin.ok());
+    EXPECT_EQ(begin->in_place, std::vector<bool>(3, true));
+    auto c0 = InPlaceClaim::Take(store.get(), begin->write_id, 0);
+    auto c1 = InPlaceClaim::Take(store.get(), begin->write_id, 1);
+    ASSERT_TRUE(c0.ok() && c1.ok()) << c0.status() << c1.status();
+    EXPECT_NE(c0->bytes().data(), c1->bytes().data());
+    EXPECT_EQ(
+        InPlaceClaim::Take(store.get(), begin->write_id, 0).status().code(),
+        absl::StatusCode::kInvalidArgument)
+        << "a block is claimed once";
+    EXPECT_EQ(store->CommitWrite(begin->write_id, {}).status().code(),
+              absl::StatusCode::kFailedPrecondition)
+        << "no commit while a claim is held";
+    Land(*c0, 0);
+    ASSERT_TRUE(c0->Stage().ok());
+    // A rejected block is not staged and can arrive again.
+    Land(*c1, 1);
+    reinterpret_cast<uint16_t*>(c1->bytes().data())[11] = 0x7C00;  // +inf
+    absl::Status inf = c1->Stage();
+    EXPECT_EQ(inf.code(), absl::StatusCode::kInvalidArgument) << inf;
+    EXPECT_NE(inf.message().find("block 1"), absl::string_view::npos) << inf;
+    auto again = InPlaceClaim::Take(store.get(), begin->write_id, 1);
+    ASSERT_TRUE(again.ok()) << again.status();
+    Land(*again, 1);
+    ASSERT_TRUE(again->Stage().ok());
+    std::vector<uint16_t> d2 = RandomBlock(SmallShape(), 2);
+    auto commit = store->CommitWrite(
+        begin->write_id,
+        {{2, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(d2.data()),
+                                 d2.size() * 2)}});
+    ASSERT_TRUE(commit.ok()) << commit.status();
+    EXPECT_EQ(commit->stored, 3u);
+    // Read in place, so that the sealed layer checksums are what checks them.
+    auto read = store->BeginRead(ns, Keys(0, 3),
+                                 Leased(ReadFormat::kFp16, absl::Seconds(10)));
+    ASSERT_TRUE(read.ok()) << read.status();
+    for (int i = 0; i < 3; ++i) {
+      std::vector<uint16_t> want = RandomBlock(SmallShape(), i);
+      ASSERT_EQ(read->blocks[i].data.size(), want.size() * 2) << i;
+      EXPECT_EQ(std::memcmp(read->blocks[i].data.data(), want.data(),
+                            want.size() * 2),
+                0)
+          << i;
+    }
+    ASSERT_TRUE(store->EndLease(read->lease_id).ok());
+    EXPECT_EQ(store->Stats().reserved_bytes, 0u);
+  }
+  // An fp8 block is encoded on its way in: it is never received in place.
+  ASSERT_TRUE(store->RegisterNamespace(Config("fp8", Codec::kFp8E4M3)).ok());
+  auto fp8 = store->BeginWrite("fp8", {{Key(0), ""}}, absl::Seconds(10));
+  ASSERT_TRUE(fp8.ok());
+  EXPECT_EQ(fp8->in_place, std::vector<bool>{false});
+  EXPECT_EQ(InPlaceClaim::Take(store.get(), fp8->write_id, 0).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  std::vector<uint16_t> d = RandomBlock(SmallShape(), 0);
+  EXPECT_TRUE(store
+                  ->StageBlock(fp8->write_id, 0,
+                               absl::MakeConstSpan(
+                                   reinterpret_cast<const uint8_t*>(d.data()),
+                                   d.size() * 2))
+                  .ok())
+      << "the refused claim left the block free";
+}
+
+TEST(StoreTest, AnInPlaceClaimHoldsAnAbortedWriteUntilItEnds) {
+  auto store = MakeStore(1 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  auto begin = store->BeginWrite("ns", {{Key(0), ""}, {Key(1), ""}},
+                                 absl::Milliseconds(1));
+  ASSERT_TRUE(begin.ok());
+  auto claim = InPlaceClaim::Take(store.get(), begin->write_id, 0);
+  ASSERT_TRUE(claim.ok()) << claim.status();
+  EXPECT_EQ(store->AbortWrite(begin->write_id).code(),
+            absl::StatusCode::kAborted);
+  // A transfer may still write into the span: its pages stay reserved,
+  // past the lease's TTL too, but the write is stale to everyone else.
+  EXPECT_EQ(store->ExpireLeases(absl::Now() + absl::Hours(1)), 0);
+  EXPECT_GT(store->Stats().reserved_bytes, 0u);
+  EXPECT_EQ(InPlaceClaim::Take(store.get(), begin->write_id, 1).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->AbortWrite(begin->write_id).code(),
+            absl::StatusCode::kFailedPrecondition);
+  Land(*claim, 0);
+  EXPECT_EQ(claim->Stage().code(), absl::StatusCode::kFailedPrecondition)
+      << "an aborted write stores nothing";
+  EXPECT_EQ(store->Stats().reserved_bytes, 0u) << "the last claim released it";
+  // A claim given up (its transfer failed) ends an aborted write as well.
+  auto second = store->BeginWrite("ns", {{Key(2), ""}}, absl::Seconds(10));
+  ASSERT_TRUE(second.ok());
+  {
+    auto dropped = InPlaceClaim::Take(store.get(), second->write_id, 0);
+    ASSERT_TRUE(dropped.ok());
+    EXPECT_EQ(store->AbortWrite(second->write_id).code(),
+              absl::StatusCode::kAborted);
+  }
+  EXPECT_EQ(store->Stats().reserved_bytes, 0u);
+  EXPECT_EQ(store->Lookup("ns", Keys(0, 3), false, absl::ZeroDuration())
+                ->prefix_blocks,
+            0u);
+}
+
 TEST(StoreTest, PinnedBlocksAreNotEvictedAndFullPoolIsResourceExhausted) {
   auto store = MakeStore(2 * 4 * kPage + 4096 + kPage);
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());

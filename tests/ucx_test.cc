@@ -2128,19 +2128,23 @@ TEST_P(UcxTest, AWriteOutlivesItsConnectionOnceItsBlocksHaveLanded) {
 TEST_P(UcxTest, FullStagingIsResourceExhaustedWithARetryHint) {
   StartNode(256ull << 20, 4 * kernels::Fp16BlockBytes(SmallShape()),
             absl::Seconds(30));
+  // fp8 blocks are encoded from staging into their pages: 8 of them need
+  // twice the bound.
   ASSERT_TRUE(
-      client_->RegisterNamespace(Spec("ns", Codec::kNone, SmallShape())).ok());
+      client_->RegisterNamespace(Spec("fp8", Codec::kFp8E4M3, SmallShape()))
+          .ok());
   absl::Status full =
-      PutChain(client_.get(), "ns", SmallShape(), 0, 8).status();
+      PutChain(client_.get(), "fp8", SmallShape(), 0, 8).status();
   ASSERT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
   ASSERT_TRUE(RetryAfterMs(full).has_value());
   EXPECT_GT(*RetryAfterMs(full), 0);
   ExpectNothingHeld(absl::Seconds(5));  // the store write was released too
+  // Codec-none blocks land in their own pages and need no staging at all.
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("ns", Codec::kNone, SmallShape())).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "ns", SmallShape(), 0, 8).ok());
   // What fits, goes; reads that need more copies than the bound (fp8
   // blocks decoded on the node) are refused the same way.
-  ASSERT_TRUE(
-      client_->RegisterNamespace(Spec("fp8", Codec::kFp8E4M3, SmallShape()))
-          .ok());
   ASSERT_TRUE(PutChain(client_.get(), "fp8", SmallShape(), 0, 4).ok());
   ASSERT_TRUE(PutChain(client_.get(), "fp8", SmallShape(), 4, 4).ok());
   std::unique_ptr<Client> node_decodes =
@@ -2150,6 +2154,67 @@ TEST_P(UcxTest, FullStagingIsResourceExhaustedWithARetryHint) {
   EXPECT_TRUE(RetryAfterMs(read_full).has_value());
   EXPECT_TRUE(node_decodes->Get("fp8", Keys(0, 4)).ok());
   ExpectNothingHeld(absl::Seconds(5));
+}
+
+// Codec-none blocks sent as messages land in their own store pages (no
+// staging, no copy on the node) and read back as sent, eager and
+// rendezvous alike; over shared memory the client's puts are pulled
+// instead. A block the node refuses there (an infinity) fails the put,
+// leaves nothing behind and can be sent again.
+TEST_P(UcxTest, CodecNoneBlocksLandInTheirOwnPages) {
+  const bool tcp = GetParam().tcp();
+  auto moved = [&] {
+    ucx::DataPlaneStats s = node_->data_plane()->Stats();
+    return std::make_pair(s.blocks_received_in_place, s.pulled_blocks);
+  };
+  int ns_number = 0;
+  for (const kernels::BlockShape& shape : {SmallShape(), LargeShape()}) {
+    const std::string ns = absl::StrCat("in-place-", ns_number++);
+    ASSERT_TRUE(client_->RegisterNamespace(Spec(ns, Codec::kNone, shape)).ok());
+    const auto before = moved();
+    auto put = PutChain(client_.get(), ns, shape, 0, 6);
+    ASSERT_TRUE(put.ok()) << put.status();
+    EXPECT_EQ(put->stored, 6u);
+    const auto after = moved();
+    EXPECT_EQ(after.first - before.first + after.second - before.second, 6u);
+    if (tcp) {
+      EXPECT_EQ(after.first - before.first, 6u) << ns;
+    }
+    auto got = client_->Get(ns, Keys(0, 6), ReadFormat::kRaw);
+    ASSERT_TRUE(got.ok()) << got.status();
+    for (int i = 0; i < 6; ++i) {
+      ASSERT_EQ(got->blocks[i].bytes.size(), data_[i].size() * 2);
+      EXPECT_EQ(std::memcmp(got->blocks[i].bytes.data(), data_[i].data(),
+                            data_[i].size() * 2),
+                0)
+          << ns << " block " << i;
+    }
+    std::vector<uint16_t> bad = RandomBlock(shape, 60);
+    bad[bad.size() - 3] = 0x7C00;  // +inf
+    absl::Status refused = client_->Put(ns, {{Key(60), Key(5), bad}}).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+    ExpectNothingHeld(absl::Seconds(5));
+    EXPECT_EQ(client_->Lookup(ns, {Key(60)})->prefix_blocks, 0u);
+    bad[bad.size() - 3] = 0x3C00;  // 1.0
+    ASSERT_TRUE(client_->Put(ns, {{Key(60), Key(5), bad}}).ok());
+    auto again = client_->Get(ns, {Key(60)}, ReadFormat::kRaw);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(
+        std::memcmp(again->blocks[0].bytes.data(), bad.data(), bad.size() * 2),
+        0);
+  }
+  // An fp8 block is encoded on its way in, from staging.
+  ASSERT_TRUE(client_
+                  ->RegisterNamespace(
+                      Spec("in-place-fp8", Codec::kFp8E4M3, LargeShape()))
+                  .ok());
+  const uint64_t in_place = moved().first;
+  ASSERT_TRUE(PutChain(client_.get(), "in-place-fp8", LargeShape(), 0, 2).ok());
+  EXPECT_EQ(moved().first, in_place);
+  EXPECT_NE(node_->metrics()->Render().find(absl::StrCat(
+                "kvcache_data_plane_blocks_received_in_place_total ", in_place,
+                "\n")),
+            std::string::npos);
 }
 
 // Connecting logs no UCX error. Over shared memory no transport offers peer
@@ -2700,6 +2765,36 @@ TEST_P(UcxTest, ClientKilledMidTransferLeavesNothingAfterTheTtl) {
   ASSERT_TRUE(got.ok()) << got.status();
 }
 
+// A client process stopped (not killed) mid-put keeps its connection
+// open: a receive into a block's own pages (codec none) may stall there,
+// and its claim holds the write's lease. The node still takes everything
+// back by the lease's deadline, closing the stalled connection.
+TEST_P(UcxTest, ClientStoppedMidPutLeavesNothingAfterTheTtl) {
+  const absl::Duration ttl = absl::Seconds(2);
+  StartNode(512ull << 20, 256ull << 20, ttl);
+  ASSERT_TRUE(
+      client_
+          ->RegisterNamespace(Spec("victim-none", Codec::kNone, LargeShape()))
+          .ok());
+  pid_t child = SpawnChild("put-none", Target());
+  ASSERT_GT(child, 0);
+  absl::Time deadline = absl::Now() + absl::Seconds(30);
+  bool caught = false;
+  while (absl::Now() < deadline && !caught) {
+    caught = node_->data_plane()->Stats().write_blocks_unlanded > 0 &&
+             node_->store()->Stats().reserved_bytes > 0;
+    if (!caught) absl::SleepFor(absl::Microseconds(200));
+  }
+  kill(child, SIGSTOP);
+  ASSERT_TRUE(caught) << "the child never had a write open";
+  ExpectNothingHeld(ttl + absl::Seconds(3));
+  kill(child, SIGKILL);
+  int wstatus = 0;
+  waitpid(child, &wstatus, 0);
+  auto put = PutChain(client_.get(), "victim-none", LargeShape(), 0, 4);
+  EXPECT_TRUE(put.ok()) << put.status();
+}
+
 // A node process killed while a client streams to and from it: every call
 // in flight ends, UNAVAILABLE (or DEADLINE_EXCEEDED where the transport
 // cannot notice a dead peer), within its deadline.
@@ -3120,13 +3215,15 @@ int ChildMain(const std::string& mode, const std::string& target) {
   std::vector<std::vector<uint16_t>> blocks;
   for (int i = 0; i < 16; ++i) blocks.push_back(RandomBlock(shape, 1000 + i));
   for (uint64_t round = 0;; ++round) {
-    if (mode == "put") {
+    if (mode == "put" || mode == "put-none") {
       std::vector<BlockWrite> writes;
       for (int i = 0; i < 16; ++i) {
         writes.push_back(
             {absl::StrCat("child-", round, "-", i), "", blocks[i]});
       }
-      (*client)->Put("victim", writes).IgnoreError();
+      (*client)
+          ->Put(mode == "put" ? "victim" : "victim-none", writes)
+          .IgnoreError();
     } else {
       std::vector<std::string> keys;
       for (int i = 0; i < 32; ++i) keys.push_back(Key(i));

@@ -116,7 +116,11 @@ struct DataPlane::WriteSession {
   absl::Time deadline;
   uint64_t block_bytes = 0;
   std::vector<Slot> slots;
-  std::vector<std::shared_ptr<StagingBuffer>> buffers;  // null where present
+  // Per block: received straight into its store pages (InPlaceClaim)
+  // rather than into staging.
+  std::vector<bool> in_place;
+  // Null where present or received in place.
+  std::vector<std::shared_ptr<StagingBuffer>> buffers;
   uint32_t awaiting = 0;   // blocks neither present nor landed
   uint32_t in_flight = 0;  // rendezvous receives not completed
   uint32_t encoding = 0;   // StageBlock calls not completed
@@ -388,6 +392,7 @@ DataPlaneStats DataPlane::Stats() const {
   s.rejected_connections = rejected_connections_.load();
   s.buffer_keys = buffer_key_count_.load();
   s.pulled_blocks = pulled_blocks_.load();
+  s.blocks_received_in_place = blocks_received_in_place_.load();
   s.prefaulted_buffer_bytes = prefaulted_buffer_bytes_.load();
   s.message_reads = message_reads_.load();
   s.copied_reads = copied_reads_.load();
@@ -446,8 +451,13 @@ absl::StatusOr<Token> DataPlane::OpenWrite(
   absl::StatusOr<Token> token = NewToken();
   if (!token.ok()) return token.status();
   session->token = *token;
-  uint32_t needed = 0;
-  for (bool present : begin.present) needed += present ? 0 : 1;
+  auto in_place = [&begin](size_t i) {
+    return i < begin.in_place.size() && begin.in_place[i];
+  };
+  uint32_t needed = 0;  // blocks received into staging
+  for (size_t i = 0; i < begin.present.size(); ++i) {
+    needed += begin.present[i] || in_place(i) ? 0 : 1;
+  }
   {
     MutexLock lock(&mu_);
     if (draining_) {
@@ -458,10 +468,14 @@ absl::StatusOr<Token> DataPlane::OpenWrite(
   absl::StatusOr<StagingReservation> reservation =
       budget_->TryReserve(needed * slot_bytes);
   if (!reservation.ok()) return reservation.status();
-  for (bool present : begin.present) {
-    if (present) {
-      session->slots.push_back(WriteSession::Slot::kPresent);
+  for (size_t i = 0; i < begin.present.size(); ++i) {
+    session->in_place.push_back(in_place(i));
+    if (begin.present[i] || in_place(i)) {
+      session->slots.push_back(begin.present[i]
+                                   ? WriteSession::Slot::kPresent
+                                   : WriteSession::Slot::kAwaiting);
       session->buffers.push_back(nullptr);
+      session->awaiting += begin.present[i] ? 0 : 1;
       continue;
     }
     absl::StatusOr<std::shared_ptr<StagingBuffer>> buffer =
@@ -521,6 +535,7 @@ std::function<void()> DataPlane::TakeForCommitLocked(uint64_t write_id) {
     return nullptr;  // not every block has landed yet
   }
   writes_.erase(it);
+  if (session->in_flight > 0) receiving_orphans_.push_back(session);
   if (!session->error.ok()) {
     return [session] {
       session->claim = store::WriteClaim();  // aborts the store write
@@ -563,22 +578,29 @@ std::function<void()> DataPlane::TakeForCommitLocked(uint64_t write_id) {
 
 std::function<void()> DataPlane::StageLocked(
     std::shared_ptr<WriteSession> session, uint32_t index,
-    const uint8_t* source, std::shared_ptr<RemoteKey> mapping) {
+    const uint8_t* source, std::shared_ptr<RemoteKey> mapping,
+    std::shared_ptr<store::InPlaceClaim> in_place) {
   ++session->encoding;
   std::shared_ptr<StagingBuffer> buffer;
-  if (source == nullptr) {
+  if (source == nullptr && in_place == nullptr) {
     buffer = session->buffers[index];
     source = buffer->data();
   }
   return [this, session = std::move(session), buffer = std::move(buffer),
-          mapping = std::move(mapping), source, index]() mutable {
+          mapping = std::move(mapping), in_place = std::move(in_place), source,
+          index]() mutable {
     executor_([this, session, buffer = std::move(buffer),
-               mapping = std::move(mapping), source, index]() mutable {
-      // By id, not through the claim, which whoever takes the session may
-      // move meanwhile; the store refuses to end the lease while it runs.
+               mapping = std::move(mapping), in_place = std::move(in_place),
+               source, index]() mutable {
+      // By id (or the block's own claim), not through the write's claim,
+      // which whoever takes the session may move meanwhile; the store
+      // refuses to end the lease while it runs.
       absl::Status status =
-          store_->StageBlock(session->id, index,
-                             absl::MakeConstSpan(source, session->block_bytes));
+          in_place != nullptr
+              ? in_place->Stage()
+              : store_->StageBlock(
+                    session->id, index,
+                    absl::MakeConstSpan(source, session->block_bytes));
       // This task's hold on the staging goes before the commit can
       // answer: a client's next write must find the bytes free.
       buffer.reset();
@@ -611,6 +633,7 @@ store::WriteClaim DataPlane::TakeWrite(uint64_t write_id) {
     if (it == writes_.end()) return store::WriteClaim(store_, write_id);
     session = std::move(it->second);
     writes_.erase(it);
+    if (session->in_flight > 0) receiving_orphans_.push_back(session);
   }
   store::WriteClaim claim = std::move(session->claim);
   if (session->waiter) {
@@ -668,27 +691,15 @@ void DataPlane::HandleWriteBlock(Connection* conn, absl::string_view header,
     } else {
       conn->authenticated = true;
       WriteSession& s = *it->second;
-      absl::Status bad;
-      if (h->index >= s.slots.size()) {
-        bad = absl::InvalidArgumentError(
-            absl::StrCat("block index ", h->index, " is outside the write's ",
-                         s.slots.size(), " blocks"));
-      } else if (s.slots[h->index] != WriteSession::Slot::kAwaiting) {
-        bad = absl::InvalidArgumentError(absl::StrCat(
-            "block ", h->index, " is present already or was sent twice"));
-      } else if (length != s.block_bytes || h->length != length) {
-        bad = absl::InvalidArgumentError(absl::StrCat(
-            "block ", h->index, " has ", length,
-            " bytes; this layout's fp16 block is ", s.block_bytes, " bytes"));
-      }
+      absl::Status bad = CheckBlockLocked(s, h->index, h->length, length);
       if (!bad.ok()) {
         if (s.error.ok()) s.error = bad;
         verdict = Verdict::kDone;
-      } else if (rendezvous) {
+      } else if (rendezvous || s.in_place[h->index]) {
         s.slots[h->index] = WriteSession::Slot::kReceiving;
         ++s.in_flight;
         session = it->second;
-        buffer = s.buffers[h->index];
+        buffer = s.buffers[h->index];  // null when received in place
         verdict = Verdict::kReceive;
       } else {
         std::memcpy(s.buffers[h->index]->data(), data, length);
@@ -705,38 +716,97 @@ void DataPlane::HandleWriteBlock(Connection* conn, absl::string_view header,
   if (verdict == Verdict::kClose) {
     CloseConnection(conn_id, "write block without a valid token");
   }
-  if (verdict != Verdict::kReceive) return;
-  const uint32_t index = h->index;
+  if (verdict == Verdict::kReceive) {
+    ReceiveBlock(std::move(session), h->index, std::move(buffer), data, length,
+                 rendezvous);
+  }
+}
+
+absl::Status DataPlane::CheckBlockLocked(const WriteSession& s, uint32_t index,
+                                         uint64_t header_length,
+                                         size_t length) const {
+  if (index >= s.slots.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("block index ", index,
+                                                   " is outside the write's ",
+                                                   s.slots.size(), " blocks"));
+  }
+  if (s.slots[index] != WriteSession::Slot::kAwaiting) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block ", index, " is present already or was sent twice"));
+  }
+  if (length != s.block_bytes || header_length != length) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block ", index, " has ", length,
+        " bytes; this layout's fp16 block is ", s.block_bytes, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+void DataPlane::ReceiveBlock(std::shared_ptr<WriteSession> session,
+                             uint32_t index,
+                             std::shared_ptr<StagingBuffer> buffer, void* data,
+                             size_t length, bool rendezvous) {
+  // The destination: the block's own pages, claimed for as long as the
+  // receive may write them; else its staging buffer.
+  std::shared_ptr<store::InPlaceClaim> claim;
+  uint8_t* destination;
+  if (session->in_place[index]) {
+    absl::StatusOr<store::InPlaceClaim> taken =
+        store::InPlaceClaim::Take(store_, session->id, index);
+    if (!taken.ok()) {  // the write ended or is being committed
+      BlockArrived(session, index, taken.status(), nullptr);
+      return;
+    }
+    claim = std::make_shared<store::InPlaceClaim>(*std::move(taken));
+    destination = claim->bytes().data();
+    blocks_received_in_place_.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    destination = buffer->data();
+  }
+  if (!rendezvous) {  // eager: the bytes are here already
+    std::memcpy(destination, data, length);
+    BlockArrived(session, index, absl::OkStatus(), std::move(claim));
+    return;
+  }
   loop_->AddBusy(1);
   ucp_worker_h worker = loop_->worker().get();
   Operation::Start(
       Operation::Kind::kRecvAm,
-      [worker, data, buffer, length](const ucp_request_param_t& param,
-                                     absl::string_view) {
-        return ucp_am_recv_data_nbx(worker, data, buffer->data(), length,
-                                    &param);
+      [worker, data, destination, length](const ucp_request_param_t& param,
+                                          absl::string_view) {
+        return ucp_am_recv_data_nbx(worker, data, destination, length, &param);
       },
-      [this, session, buffer, index](absl::Status status) {
+      [this, session, buffer, claim, index](absl::Status status) mutable {
         loop_->AddBusy(-1);
-        std::function<void()> done_work, stage;
-        {
-          MutexLock lock(&mu_);
-          --session->in_flight;
-          if (status.ok()) {
-            session->slots[index] = WriteSession::Slot::kLanded;
-            --session->awaiting;
-            // A failed write has answered and let its staging go: nothing
-            // to encode.
-            if (session->error.ok()) stage = StageLocked(session, index);
-          } else if (session->error.ok()) {
-            session->error = absl::UnavailableError(absl::StrCat(
-                "block ", index, " did not arrive: ", status.message()));
-          }
-          done_work = TakeForCommitLocked(session->id);
-        }
-        if (stage) stage();
-        if (done_work) done_work();
+        buffer.reset();  // the receive's hold on the staging ends here
+        BlockArrived(session, index, status, std::move(claim));
       });
+}
+
+void DataPlane::BlockArrived(const std::shared_ptr<WriteSession>& session,
+                             uint32_t index, const absl::Status& status,
+                             std::shared_ptr<store::InPlaceClaim> claim) {
+  std::function<void()> done_work, stage;
+  {
+    MutexLock lock(&mu_);
+    --session->in_flight;
+    if (status.ok()) {
+      session->slots[index] = WriteSession::Slot::kLanded;
+      --session->awaiting;
+      // A failed write has answered and let its staging go: nothing to
+      // encode (and an unstaged claim gives its block up as it goes).
+      if (session->error.ok()) {
+        stage = StageLocked(session, index, nullptr, nullptr, std::move(claim));
+      }
+    } else if (session->error.ok()) {
+      session->error = absl::UnavailableError(
+          absl::StrCat("block ", index, " did not arrive: ", status.message()));
+    }
+    done_work = TakeForCommitLocked(session->id);
+  }
+  claim.reset();  // given up, unless staging took it
+  if (stage) stage();
+  if (done_work) done_work();
 }
 
 // ----------------------------------------------------------------- reads
@@ -1925,6 +1995,20 @@ void DataPlane::DropConnectionSessions(uint64_t conn_id) {
 
 // ---------------------------------------------------------------- expiry
 
+void DataPlane::CloseStalledOrphansLocked(absl::Time now,
+                                          std::vector<uint64_t>* close) {
+  auto ended = [&](const std::weak_ptr<WriteSession>& weak) {
+    std::shared_ptr<WriteSession> s = weak.lock();
+    if (s == nullptr || s->in_flight == 0) return true;
+    if (now < s->deadline) return false;
+    if (s->conn_id != 0) close->push_back(s->conn_id);
+    return true;
+  };
+  receiving_orphans_.erase(std::remove_if(receiving_orphans_.begin(),
+                                          receiving_orphans_.end(), ended),
+                           receiving_orphans_.end());
+}
+
 void DataPlane::Expire(absl::Time now) {
   std::vector<std::function<void()>> work;
   std::vector<std::shared_ptr<WriteSession>> expired_writes;
@@ -1943,8 +2027,12 @@ void DataPlane::Expire(absl::Time now) {
         ids.push_back(id);
       } else if (!session->waiter && now >= session->deadline) {
         expired_writes.push_back(session);
+      } else if (now >= session->deadline && session->in_flight > 0 &&
+                 session->conn_id != 0) {
+        close.push_back(session->conn_id);  // a commit waits on a stall
       }
     }
+    CloseStalledOrphansLocked(now, &close);
     for (uint64_t id : ids) {
       if (std::function<void()> w = TakeForCommitLocked(id)) {
         work.push_back(std::move(w));

@@ -9,9 +9,14 @@
 //    staging for every block not present, and returns the listener address
 //    and a fresh token. The client sends each block as one active message
 //    (rendezvous for large blocks: the node receives it straight into its
-//    staging buffer). CommitWrite (gRPC, no payloads) waits until every
-//    block has landed, then runs Store::CommitWrite on the worker pool over
-//    the staged bytes; the batch becomes visible only then. Staging is freed
+//    destination). A block stored as its fp16 bytes on a host arena (codec
+//    none, a KIVI residual window) lands in its own store pages, claimed
+//    for the receive (Store::ClaimInPlace), and is checked and sealed there
+//    on the worker pool; any other lands in a staging buffer and is encoded
+//    into its pages from there (Store::StageBlock), as it lands. CommitWrite
+//    (gRPC, no payloads) waits until every block has landed, then runs
+//    Store::CommitWrite on the worker pool; the batch becomes visible only
+//    then. Staging is freed
 //    when the commit ends, when the write is aborted, when its connection
 //    fails before every block has landed (its commit then answers
 //    UNAVAILABLE; a write whose blocks have all landed needs no connection
@@ -69,7 +74,10 @@
 //    transfers fail and their buffers are released.
 //  * Memory that UCX may still write (an in-flight receive) or read (an
 //    in-flight put) is owned by that operation's completion, so dropping a
-//    session never frees bytes under a transfer.
+//    session never frees bytes under a transfer. A receive into store pages
+//    owns their InPlaceClaim, which keeps the write's lease (an abort
+//    waits for it); a receive still in flight when its lease's deadline
+//    passes has its connection closed, so that it fails and lets go.
 //  * A session holds its store lease as a claim (store/lease_claim.h):
 //    whoever takes a session out of the table (commit, abort, expiry, a
 //    failed connection, EndRead, Stop) takes its claim, and a claim that
@@ -160,6 +168,9 @@ struct DataPlaneStats {
   // Blocks encoded straight from a client buffer the node mapped
   // (kAmWritePull), since the start.
   uint64_t pulled_blocks = 0;
+  // Blocks received straight into their store pages (codec none and KIVI
+  // residual windows on a host arena: no staging, no copy), since the start.
+  uint64_t blocks_received_in_place = 0;
   // Reads whose blocks went as data messages rather than puts (kAmReadData),
   // since the start.
   uint64_t message_reads = 0;
@@ -466,14 +477,39 @@ class DataPlane {
   // node's mapping of a client buffer, which `mapping` keeps alive; the
   // last reference to it is dropped on the loop thread). Run the returned
   // work after releasing mu_.
+  // With `in_place`, the block was received into its pages: the work
+  // checks and seals it there (InPlaceClaim::Stage).
   std::function<void()> StageLocked(
       std::shared_ptr<WriteSession> session, uint32_t index,
       const uint8_t* source = nullptr,
-      std::shared_ptr<RemoteKey> mapping = nullptr)
+      std::shared_ptr<RemoteKey> mapping = nullptr,
+      std::shared_ptr<store::InPlaceClaim> in_place = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why block `index` of `s` (the header's length, the message's) cannot
+  // be taken now; OK when it can.
+  absl::Status CheckBlockLocked(const WriteSession& s, uint32_t index,
+                                uint64_t header_length, size_t length) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Receives block `index` (a slot set to kReceiving, counted in flight)
+  // into its pages where it is received in place, else into `buffer`, its
+  // staging: from UCX's rendezvous, or the eager bytes at `data`. Loop
+  // thread.
+  void ReceiveBlock(std::shared_ptr<WriteSession> session, uint32_t index,
+                    std::shared_ptr<StagingBuffer> buffer, void* data,
+                    size_t length, bool rendezvous);
+  // A receive of block `index` ended with `status`: stages the block (its
+  // `claim` when received in place) or records the failure, and lets a
+  // waiting commit go on.
+  void BlockArrived(const std::shared_ptr<WriteSession>& session,
+                    uint32_t index, const absl::Status& status,
+                    std::shared_ptr<store::InPlaceClaim> claim);
   // Binds a session to `conn_id` or checks that it is bound to it.
   static bool BindLocked(uint64_t* session_conn, uint64_t conn_id);
   void DropConnectionSessions(uint64_t conn_id);
+  // Forgets the orphans whose receives ended, and adds to `close` the
+  // connections of those still receiving past their lease's deadline.
+  void CloseStalledOrphansLocked(absl::Time now, std::vector<uint64_t>* close)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const DataPlaneOptions options_;
   store::Store* const store_;
@@ -497,6 +533,12 @@ class DataPlane {
   mutable Mutex mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<WriteSession>> writes_
       ABSL_GUARDED_BY(mu_);
+  // Writes taken out of writes_ (failed, or taken by TakeWrite) while
+  // receives of theirs were in flight. A receive into a block's pages holds
+  // its write's store lease (InPlaceClaim), so one that stalls must not
+  // outlive the lease's deadline: Expire then closes its connection.
+  std::vector<std::weak_ptr<WriteSession>> receiving_orphans_
+      ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::shared_ptr<ReadSession>> reads_
       ABSL_GUARDED_BY(mu_);
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
@@ -505,6 +547,7 @@ class DataPlane {
   std::atomic<uint32_t> connection_count_{0};
   std::atomic<uint32_t> buffer_key_count_{0};
   std::atomic<uint64_t> pulled_blocks_{0};
+  std::atomic<uint64_t> blocks_received_in_place_{0};
   std::atomic<uint64_t> message_reads_{0};
   std::atomic<uint64_t> copied_reads_{0};
   std::atomic<uint64_t> reads_checked_while_copying_{0};

@@ -158,6 +158,7 @@ DataPlaneStats DataPlanes::Stats() const {
     sum.rejected_connections += s.rejected_connections;
     sum.buffer_keys += s.buffer_keys;
     sum.pulled_blocks += s.pulled_blocks;
+    sum.blocks_received_in_place += s.blocks_received_in_place;
     sum.message_reads += s.message_reads;
     sum.copied_reads += s.copied_reads;
     sum.reads_checked_while_copying += s.reads_checked_while_copying;
