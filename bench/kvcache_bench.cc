@@ -75,7 +75,8 @@ struct Config {
   bool get_copy = false;  // Client::Get (copies out) instead of GetInto
   bool get_heap = false;  // GetInto heap memory (registered per read)
   bool run_get = true, run_put = true;  // --ops
-  bool put_heap = false;  // Put from heap memory instead of a DataBuffer
+  bool put_heap = false;       // Put from heap memory instead of a DataBuffer
+  bool layer_by_layer = true;  // --read (ReadOptions::layer_by_layer)
 };
 
 std::string Usage() {
@@ -102,6 +103,10 @@ std::string Usage() {
                       once); heap: Client::GetInto into heap memory,
                       registered per read; copy: Client::Get, copied out
                       into strings
+  --read=MODE         layers (default): GetInto reads layer by layer, as a
+                      decode engine does; blocks: whole blocks, as a
+                      caller that waits for the whole read
+                      (ReadOptions::layer_by_layer = false)
 UCX_TLS / UCX_NET_DEVICES select the transport for both sides.
 )";
 }
@@ -179,6 +184,11 @@ absl::StatusOr<Config> ParseArgs(int argc, char** argv) {
           return absl::InvalidArgumentError("--ops: get and/or put");
         }
       }
+    } else if (name == "--read") {
+      if (value != "layers" && value != "blocks") {
+        return absl::InvalidArgumentError("--read: layers or blocks");
+      }
+      c.layer_by_layer = value == "layers";
     } else if (name == "--get-api") {
       if (value != "into" && value != "heap" && value != "copy") {
         return absl::InvalidArgumentError("--get-api: into, heap or copy");
@@ -618,9 +628,10 @@ int Run(const Config& config) {
                              if (!got.ok()) return got.status();
                              return static_cast<uint64_t>(batch) * size;
                            }
+                           kvcache::ReadOptions options;
+                           options.layer_by_layer = config.layer_by_layer;
                            auto read = (*client)->GetInto(
-                               get_spec.name, get_keys,
-                               kvcache::ReadFormat::kFp16, dest[s], size);
+                               get_spec.name, get_keys, options, dest[s], size);
                            if (!read.ok()) return read.status();
                            if (absl::Status w = (*read)->Wait(); !w.ok()) {
                              return w;

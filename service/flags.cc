@@ -244,8 +244,9 @@ Usage: kvcache-node [--flag=value ...]
                                 process is served by one (default 1;
                                 at most 64)
   --staging-bytes=BYTES         bound on data-plane staging: write blocks
-                                until commit, read copies until sent
-                                (default 256MiB)
+                                to encode (codec none lands in the
+                                store's pages instead), read copies
+                                until sent (default 256MiB)
   --tls-cert=FILE --tls-key=FILE  TLS on --listen (PEM certificate chain
                                 and key; re-read when they change)
   --tls-client-ca=FILE          with --tls-cert: require client

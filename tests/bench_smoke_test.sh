@@ -28,4 +28,10 @@ last=$(tail -n 1 "$out")
 for r in "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}"; do
   [[ $r != 0.00 ]] || fail "a ratio is zero: $last"
 done
+# Whole-block reads (--read=blocks) run as well.
+UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 300 "$bin_dir/bench/kvcache-bench" \
+  --sizes=256KiB --streams=2 --seconds=0.3 --runs=1 --memory=128MiB \
+  --no-warmup --no-perftest --ops=get --read=blocks >"$out" 2>"$err" ||
+  fail "kvcache-bench --read=blocks failed"
+grep -qE "^get +256KiB " "$out" || fail "no get row with --read=blocks"
 echo "bench_smoke_test: ok ($last)"
