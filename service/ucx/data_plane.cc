@@ -1995,11 +1995,16 @@ void DataPlane::DropConnectionSessions(uint64_t conn_id) {
 
 // ---------------------------------------------------------------- expiry
 
-void DataPlane::CloseStalledOrphansLocked(absl::Time now,
-                                          std::vector<uint64_t>* close) {
+void DataPlane::CloseStalledOrphansLocked(
+    absl::Time now, std::vector<uint64_t>* close,
+    std::vector<std::shared_ptr<WriteSession>>* seen) {
   auto ended = [&](const std::weak_ptr<WriteSession>& weak) {
     std::shared_ptr<WriteSession> s = weak.lock();
-    if (s == nullptr || s->in_flight == 0) return true;
+    if (s == nullptr) return true;
+    // Held until the caller unlocks: the receive may drop its reference
+    // meanwhile, and a session is not destroyed under mu_.
+    seen->push_back(s);
+    if (s->in_flight == 0) return true;
     if (now < s->deadline) return false;
     if (s->conn_id != 0) close->push_back(s->conn_id);
     return true;
@@ -2012,6 +2017,7 @@ void DataPlane::CloseStalledOrphansLocked(absl::Time now,
 void DataPlane::Expire(absl::Time now) {
   std::vector<std::function<void()>> work;
   std::vector<std::shared_ptr<WriteSession>> expired_writes;
+  std::vector<std::shared_ptr<WriteSession>> orphans_seen;
   std::vector<std::shared_ptr<ReadSession>> expired_reads;
   std::vector<uint64_t> close;
   {
@@ -2032,7 +2038,7 @@ void DataPlane::Expire(absl::Time now) {
         close.push_back(session->conn_id);  // a commit waits on a stall
       }
     }
-    CloseStalledOrphansLocked(now, &close);
+    CloseStalledOrphansLocked(now, &close, &orphans_seen);
     for (uint64_t id : ids) {
       if (std::function<void()> w = TakeForCommitLocked(id)) {
         work.push_back(std::move(w));

@@ -508,7 +508,10 @@ class DataPlane {
   void DropConnectionSessions(uint64_t conn_id);
   // Forgets the orphans whose receives ended, and adds to `close` the
   // connections of those still receiving past their lease's deadline.
-  void CloseStalledOrphansLocked(absl::Time now, std::vector<uint64_t>* close)
+  // `seen` keeps the sessions it looked at alive until the caller unlocks.
+  void CloseStalledOrphansLocked(
+      absl::Time now, std::vector<uint64_t>* close,
+      std::vector<std::shared_ptr<WriteSession>>* seen)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const DataPlaneOptions options_;
