@@ -2795,6 +2795,115 @@ TEST_P(UcxTest, ClientStoppedMidPutLeavesNothingAfterTheTtl) {
   EXPECT_TRUE(put.ok()) << put.status();
 }
 
+// A sender that stops progressing after its block's rendezvous began: the
+// node's receive into the block's pages stalls, and its claim holds the
+// write's lease. At the lease's deadline the node closes the connection,
+// whether a commit is waiting on the write (it then fails UNAVAILABLE, not
+// at its own, later deadline) or the write has failed already (a bad
+// block; the commit answered at once), and nothing stays held. Over
+// shared memory the node fetches the bytes without the sender, so only
+// tcp stalls.
+TEST_P(UcxTest, AStalledReceiveEndsByTheLeasesDeadline) {
+  if (!GetParam().tcp()) GTEST_SKIP() << "shared memory does not stall here";
+  const absl::Duration ttl = absl::Seconds(2);
+  StartNode(512ull << 20, 256ull << 20, ttl);
+  // 16 MiB: more than loopback's socket buffers take at once, so the
+  // rendezvous cannot end within the progress calls that start it.
+  const kernels::BlockShape shape{32, 8, 128, 128};
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("stalled", Codec::kNone, shape)).ok());
+  auto stub = kvcache::v1::KvCache::NewStub(
+      grpc::CreateChannel(Target(), grpc::InsecureChannelCredentials()));
+  const std::vector<uint16_t> block = RandomBlock(shape, 0);
+  const std::vector<uint16_t> short_block(16);
+  for (bool failed_first : {false, true}) {
+    SCOPED_TRACE(failed_first ? "the write failed first" : "a commit waits");
+    kvcache::v1::BeginWriteRequest begin;
+    begin.set_namespace_name("stalled");
+    begin.add_blocks()->set_key(Key(failed_first ? 2 : 0));
+    begin.add_blocks()->set_key(Key(failed_first ? 3 : 1));
+    begin.set_use_data_plane(true);
+    kvcache::v1::BeginWriteResponse begun;
+    {
+      grpc::ClientContext ctx;
+      grpc::Status rpc = stub->BeginWrite(&ctx, begin, &begun);
+      ASSERT_TRUE(rpc.ok()) << rpc.error_message();
+    }
+    ASSERT_TRUE(begun.has_data_plane());
+    // A sender progressed by hand, on this thread only.
+    auto context = ucx::Context::Create("stalled-sender");
+    ASSERT_TRUE(context.ok()) << context.status();
+    auto worker = ucx::Worker::Create(**context);
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    bool peer_errors = false;
+    auto ep = ucx::Endpoint::ConnectToWorker(
+        **worker, begun.data_plane().worker_address(),
+        [](void*, ucp_ep_h, ucs_status_t) noexcept {}, nullptr, &peer_errors);
+    ASSERT_TRUE(ep.ok()) << ep.status();
+    int sent = 0;
+    bool block_sent = false;
+    auto send = [&](uint32_t index, const std::vector<uint16_t>& bytes,
+                    uint32_t flags) {
+      ucx::WriteBlockHeader h;
+      h.write_id = begun.write_id();
+      h.token = *ucx::TokenFromBytes(begun.data_plane().token());
+      h.index = index;
+      h.length = bytes.size() * sizeof(uint16_t);
+      ucx::Operation::Start(
+          ucx::Operation::Kind::kSend,
+          [raw = (*ep)->get(), &bytes, flags](const ucp_request_param_t& param,
+                                              absl::string_view kept) {
+            ucp_request_param_t p = param;
+            p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+            p.flags = UCP_AM_SEND_FLAG_REPLY | flags;
+            return ucp_am_send_nbx(raw, ucx::kAmWriteBlock, kept.data(),
+                                   kept.size(), bytes.data(),
+                                   bytes.size() * sizeof(uint16_t), &p);
+          },
+          [&sent, &block_sent, index](absl::Status) {
+            ++sent;
+            block_sent = block_sent || index == 0;
+          },
+          ucx::Encode(h));
+    };
+    // Block 0 by rendezvous; where the write is to fail first, block 1 of
+    // the wrong length, which the node refuses as it arrives.
+    const uint64_t in_place =
+        node_->data_plane()->Stats().blocks_received_in_place;
+    send(0, block, UCP_AM_SEND_FLAG_RNDV);
+    if (failed_first) send(1, short_block, UCP_AM_SEND_FLAG_EAGER);
+    // Progress until the node has posted its receive into block 0's pages,
+    // then no more.
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    while (node_->data_plane()->Stats().blocks_received_in_place == in_place &&
+           absl::Now() < until) {
+      ucp_worker_progress((*worker)->get());
+    }
+    ASSERT_EQ(node_->data_plane()->Stats().blocks_received_in_place,
+              in_place + 1);
+    ASSERT_FALSE(block_sent) << "the rendezvous ended";
+    kvcache::v1::CommitWriteRequest commit;
+    commit.set_write_id(begun.write_id());
+    kvcache::v1::CommitWriteResponse committed;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    const absl::Time started = absl::Now();
+    grpc::Status rpc = stub->CommitWrite(&ctx, commit, &committed);
+    EXPECT_EQ(rpc.error_code(), failed_first
+                                    ? grpc::StatusCode::INVALID_ARGUMENT
+                                    : grpc::StatusCode::UNAVAILABLE)
+        << rpc.error_message();
+    EXPECT_LT(absl::Now() - started, ttl + absl::Seconds(3));
+    ExpectNothingHeld(ttl + absl::Seconds(3));
+    // The sender's end: its send fails once its endpoint is closed.
+    ep->reset();
+    for (int i = 0; i < 1000 && sent < (failed_first ? 2 : 1); ++i) {
+      ucp_worker_progress((*worker)->get());
+    }
+    EXPECT_EQ(sent, failed_first ? 2 : 1);
+  }
+}
+
 // A node process killed while a client streams to and from it: every call
 // in flight ends, UNAVAILABLE (or DEADLINE_EXCEEDED where the transport
 // cannot notice a dead peer), within its deadline.
