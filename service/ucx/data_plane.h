@@ -71,7 +71,9 @@
 //  * Every wait is bounded: commit waits by the call's deadline (and the
 //    drain deadline), sessions by their lease deadline; a session that
 //    expires with bytes in flight force-closes its connection so that the
-//    transfers fail and their buffers are released.
+//    transfers fail and their buffers are released. So does a receive
+//    still in flight at its lease's deadline under a waiting commit, or
+//    of a write already failed or taken (receiving_orphans_).
 //  * Memory that UCX may still write (an in-flight receive) or read (an
 //    in-flight put) is owned by that operation's completion, so dropping a
 //    session never frees bytes under a transfer. A receive into store pages
