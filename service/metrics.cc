@@ -233,7 +233,7 @@ class Metrics::DataPlaneCollector : public prometheus::Collectable {
             "node mapped (pulled writes: no copy).",
             g.pulled_blocks);
     counter("kvcache_data_plane_blocks_received_in_place_total",
-            "Blocks received straight into their store pages (codec none "
+            "Receives begun straight into blocks' store pages (codec none "
             "and KIVI residual windows on host memory: no staging, no copy).",
             g.blocks_received_in_place);
     counter("kvcache_data_plane_message_reads_total",

@@ -51,8 +51,8 @@ uint64_t WriteClaim::Release() {
 void WriteClaim::AbortIfHeld() {
   if (store_ == nullptr) return;
   // A dropped claim is abandoned work: FAILED_PRECONDITION (the lease
-  // expired or was ended by its id) and ABORTED (a commit or StageBlock is
-  // using it; the store's TTL then ends it) leave nothing for us to undo.
+  // expired or was ended by its id) and ABORTED (a commit or a staging is
+  // using it and ends it) leave nothing for us to undo.
   store_->AbortWrite(std::exchange(id_, 0)).IgnoreError();
   store_ = nullptr;
 }

@@ -878,19 +878,23 @@ bool Store::ReleaseWriteLease(uint64_t id, bool if_idle) {
     MutexLock lock(&lease_mu_);
     auto it = write_leases_.find(id);
     if (it == write_leases_.end()) return false;
-    // Expiry leaves a lease alone while a commit or a StageBlock uses it.
+    // Expiry leaves a lease alone while a commit or a staging uses it.
     if (if_idle && (it->second->committing || it->second->staging > 0)) {
       return false;
     }
     lease = std::move(it->second);
     write_leases_.erase(it);
   }
-  for (const PageList& pages : lease->pages) {
+  FreeWriteLease(*lease);
+  return true;
+}
+
+void Store::FreeWriteLease(const WriteLease& lease) {
+  for (const PageList& pages : lease.pages) {
     ReleasePages(pages);
     reserved_pages_ -= pages.count;
-    owners_[lease->owner].reserved_pages -= pages.count;
+    owners_[lease.owner].reserved_pages -= pages.count;
   }
-  return true;
 }
 
 int Store::ExpireLeases(absl::Time now) {
@@ -1341,16 +1345,18 @@ absl::StatusOr<Store::WriteLease*> Store::ClaimBlockLocked(uint64_t write_id,
 
 void Store::EndStaging(uint64_t write_id, WriteLease* lease, uint32_t index,
                        bool staged) {
-  bool release;
+  std::unique_ptr<WriteLease> ended;
   {
     MutexLock lock(&lease_mu_);
     if (!staged) lease->staged[index] = 0;
-    release = --lease->staging == 0 && lease->aborted;
+    // The last staging of an aborted lease ends it, in this same step.
+    if (--lease->staging == 0 && lease->aborted) {
+      auto it = write_leases_.find(write_id);
+      ended = std::move(it->second);
+      write_leases_.erase(it);
+    }
   }
-  // An aborted lease is stale to every other call: nothing but this and
-  // the reaper (which leaves a lease alone while it is staging) can find
-  // it, so it is this call's to release.
-  if (release) ReleaseWriteLease(write_id);
+  if (ended != nullptr) FreeWriteLease(*ended);
 }
 
 absl::Status Store::StageBlock(uint64_t write_id, uint32_t index,
@@ -1362,8 +1368,9 @@ absl::Status Store::StageBlock(uint64_t write_id, uint32_t index,
     if (!claimed.ok()) return claimed.status();
     lease = *claimed;
   }
-  // The lease cannot expire, commit, abort or be dropped while `staging` >
-  // 0, and block `index`'s pages are this call's alone.
+  // The lease cannot expire, commit or be dropped while `staging` > 0 (an
+  // abort marks it and waits), and block `index`'s pages are this call's
+  // alone.
   Namespace* ns = lease->ns.get();
   absl::Status status;
   if (fp16.size() != ns->info.fp16_block_bytes) {
@@ -1449,15 +1456,15 @@ absl::Status Store::FinishInPlace(uint64_t write_id, uint32_t index,
 }
 
 absl::Status Store::AbortWrite(uint64_t write_id) {
+  std::unique_ptr<WriteLease> ended;
   {
     MutexLock lock(&lease_mu_);
     WriteLease* lease = LiveWriteLeaseLocked(write_id);
     if (lease == nullptr)
       return absl::FailedPreconditionError(kStaleWriteLease);
-    // ABORTED, not FAILED_PRECONDITION: the write is live and ends with the
-    // call using it (a commit stores or fails; the last staging releases
-    // it); a caller that must know when nothing reads its bytes any more
-    // asks again.
+    // ABORTED, not FAILED_PRECONDITION: the write ends with the call using
+    // it (a commit stores or fails; the last staging releases it), not
+    // now.
     if (lease->committing) {
       return absl::AbortedError("write lease is being committed; try again");
     }
@@ -1467,8 +1474,14 @@ absl::Status Store::AbortWrite(uint64_t write_id) {
           "blocks of this write are being staged; the write ends when they "
           "finish");
     }
+    // Out of the table in the step that found it idle: a claim (StageBlock,
+    // ClaimInPlace) or a commit taken in between would work on pages
+    // already back in the pool.
+    auto it = write_leases_.find(write_id);
+    ended = std::move(it->second);
+    write_leases_.erase(it);
   }
-  ReleaseWriteLease(write_id);
+  FreeWriteLease(*ended);
   return absl::OkStatus();
 }
 

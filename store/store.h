@@ -576,8 +576,10 @@ class Store {
   // unless_held: a lease a transfer holds (HoldReadLease) stays.
   void ReleaseReadLease(uint64_t id, bool unless_held = false);
   // Returns true when it released the lease. With if_idle, a lease that a
-  // commit or a StageBlock is using is left alone.
+  // commit or a staging (StageBlock, ClaimInPlace) is using is left alone.
   bool ReleaseWriteLease(uint64_t id, bool if_idle = false);
+  // Returns the pages of a write lease already taken out of the table.
+  void FreeWriteLease(const WriteLease& lease);
   // The live (not aborted) write lease `write_id`, or null.
   WriteLease* LiveWriteLeaseLocked(uint64_t write_id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_mu_);

@@ -971,6 +971,43 @@ TEST(StoreTest, AnInPlaceClaimHoldsAnAbortedWriteUntilItEnds) {
             0u);
 }
 
+// An abort that finds a write idle ends it in the same step: no claim can
+// slip in between the check and the release (it would be handed pages
+// already back in the pool, and a receive would write into them).
+TEST(StoreTest, NoClaimSucceedsOnAWriteThatAnAbortEnded) {
+  auto store = MakeStore(4 << 20);
+  ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());
+  std::atomic<uint64_t> write_id{0};
+  std::atomic<bool> stop{false};
+  std::atomic<int> granted_after_abort{0};
+  std::atomic<uint64_t> aborted_ok_id{0};
+  std::thread claimer([&] {
+    while (!stop.load()) {
+      const uint64_t id = write_id.load();
+      if (id == 0) continue;
+      auto claim = InPlaceClaim::Take(store.get(), id, 0);
+      if (claim.ok() && aborted_ok_id.load() == id) ++granted_after_abort;
+    }
+  });
+  const absl::Time until = absl::Now() + absl::Seconds(3);
+  for (int i = 0; absl::Now() < until; ++i) {
+    auto begin = store->BeginWrite("ns", {{Key(i), ""}}, absl::Seconds(10));
+    ASSERT_TRUE(begin.ok()) << begin.status();
+    write_id.store(begin->write_id);
+    absl::Status aborted;
+    do {
+      aborted = store->AbortWrite(begin->write_id);
+    } while (aborted.code() == absl::StatusCode::kAborted);
+    if (aborted.ok()) aborted_ok_id.store(begin->write_id);
+    // A claim granted from here on was granted on an ended write.
+  }
+  stop.store(true);
+  claimer.join();
+  EXPECT_EQ(granted_after_abort.load(), 0);
+  EXPECT_EQ(store->Stats().reserved_bytes, 0u);
+  EXPECT_EQ(store->Stats().active_write_leases, 0u);
+}
+
 TEST(StoreTest, PinnedBlocksAreNotEvictedAndFullPoolIsResourceExhausted) {
   auto store = MakeStore(2 * 4 * kPage + 4096 + kPage);
   ASSERT_TRUE(store->RegisterNamespace(Config("ns", Codec::kNone)).ok());

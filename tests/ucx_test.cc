@@ -2806,10 +2806,11 @@ TEST_P(UcxTest, ClientStoppedMidPutLeavesNothingAfterTheTtl) {
 TEST_P(UcxTest, AStalledReceiveEndsByTheLeasesDeadline) {
   if (!GetParam().tcp()) GTEST_SKIP() << "shared memory does not stall here";
   const absl::Duration ttl = absl::Seconds(2);
-  StartNode(512ull << 20, 256ull << 20, ttl);
-  // 16 MiB: more than loopback's socket buffers take at once, so the
-  // rendezvous cannot end within the progress calls that start it.
-  const kernels::BlockShape shape{32, 8, 128, 128};
+  StartNode(1ull << 30, 256ull << 20, ttl);
+  // 64 MiB: far more than loopback's socket buffers take at once, so the
+  // rendezvous does not end within the progress calls that start it (16
+  // MiB did, once in a few runs with 2 progress threads).
+  const kernels::BlockShape shape{32, 8, 128, 512};
   ASSERT_TRUE(
       client_->RegisterNamespace(Spec("stalled", Codec::kNone, shape)).ok());
   auto stub = kvcache::v1::KvCache::NewStub(

@@ -105,7 +105,8 @@ struct DataPlane::Connection {
 };
 
 struct DataPlane::WriteSession {
-  // kLanded: in staging; kStaged: encoded into the store's pages (its
+  // kLanded: in staging, or in its pages when received in place (not yet
+  // checked); kStaged: encoded into the store's pages (its
   // staging buffer is released).
   enum class Slot { kPresent, kAwaiting, kReceiving, kLanded, kStaged };
   uint64_t id = 0;  // the store's write lease; never changes
@@ -121,12 +122,14 @@ struct DataPlane::WriteSession {
   std::vector<bool> in_place;
   // Null where present or received in place.
   std::vector<std::shared_ptr<StagingBuffer>> buffers;
-  uint32_t awaiting = 0;   // blocks neither present nor landed
-  uint32_t in_flight = 0;  // rendezvous receives not completed
-  uint32_t encoding = 0;   // StageBlock calls not completed
-  uint64_t conn_id = 0;    // the connection it is bound to (0: none yet)
-  absl::Status error;      // the first bad block or failed receive
-  CommitDone waiter;       // set by Commit()
+  uint32_t awaiting = 0;  // blocks neither present nor landed
+  // Receives not completed (rendezvous, and in-place eager ones while
+  // their claim is taken).
+  uint32_t in_flight = 0;
+  uint32_t encoding = 0;  // StageBlock calls not completed
+  uint64_t conn_id = 0;   // the connection it is bound to (0: none yet)
+  absl::Status error;     // the first bad block or failed receive
+  CommitDone waiter;      // set by Commit()
   absl::Time commit_deadline = absl::InfiniteFuture();
 };
 
@@ -2038,12 +2041,13 @@ void DataPlane::Expire(absl::Time now) {
         close.push_back(session->conn_id);  // a commit waits on a stall
       }
     }
-    CloseStalledOrphansLocked(now, &close, &orphans_seen);
     for (uint64_t id : ids) {
       if (std::function<void()> w = TakeForCommitLocked(id)) {
         work.push_back(std::move(w));
       }
     }
+    // After the commits above: a failed one may have just made an orphan.
+    CloseStalledOrphansLocked(now, &close, &orphans_seen);
     for (auto& s : expired_writes) {
       writes_.erase(s->id);
       if (s->in_flight > 0 && s->conn_id != 0) close.push_back(s->conn_id);

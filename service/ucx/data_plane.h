@@ -6,7 +6,8 @@
 //
 // Protocol (transport/wire.h has the message formats):
 //  * Write: BeginWrite (gRPC) reserves store pages and, through OpenWrite,
-//    staging for every block not present, and returns the listener address
+//    staging for every block not present and not received in place (below),
+//    and returns the listener address
 //    and a fresh token. The client sends each block as one active message
 //    (rendezvous for large blocks: the node receives it straight into its
 //    destination). A block stored as its fp16 bytes on a host arena (codec
@@ -170,8 +171,9 @@ struct DataPlaneStats {
   // Blocks encoded straight from a client buffer the node mapped
   // (kAmWritePull), since the start.
   uint64_t pulled_blocks = 0;
-  // Blocks received straight into their store pages (codec none and KIVI
-  // residual windows on a host arena: no staging, no copy), since the start.
+  // Receives begun straight into blocks' store pages (codec none and KIVI
+  // residual windows on a host arena: no staging, no copy), since the
+  // start; one that then fails counts too.
   uint64_t blocks_received_in_place = 0;
   // Reads whose blocks went as data messages rather than puts (kAmReadData),
   // since the start.
