@@ -238,6 +238,9 @@ struct Store::ReadLease {
   bool held = false;  // HoldReadLease: ends only by EndLease
 };
 
+// WriteLease::in_place_offset of a block not received in place.
+constexpr uint64_t kNotInPlace = ~uint64_t{0};
+
 struct Store::WriteLease {
   NamespaceRef ns;  // keeps the namespace's slot
   uint16_t ns_id = 0;
@@ -246,6 +249,10 @@ struct Store::WriteLease {
   std::vector<BlockRef> blocks;
   std::vector<bool> present;
   std::vector<PageList> pages;  // per block; count 0 if present
+  // Per block: where in the host arena the block is stored as its fp16
+  // bytes in one run (InPlaceOffset, found once by BeginWrite), or
+  // kNotInPlace.
+  std::vector<uint64_t> in_place_offset;
   // Per block: written into its pages by StageBlock (one byte each, so that
   // concurrent StageBlock calls on different blocks touch different bytes;
   // written under lease_mu_).
@@ -1078,8 +1085,11 @@ absl::StatusOr<BeginWriteResult> Store::BeginWrite(const std::string& ns_name,
   BeginWriteResult result;
   result.present = lease->present;
   result.in_place.resize(lease->present.size());
+  lease->in_place_offset.resize(lease->present.size());
   for (size_t i = 0; i < lease->present.size(); ++i) {
-    result.in_place[i] = InPlaceOffset(*ns, lease->pages[i]).has_value();
+    const std::optional<uint64_t> offset = InPlaceOffset(*ns, lease->pages[i]);
+    lease->in_place_offset[i] = offset.value_or(kNotInPlace);
+    result.in_place[i] = offset.has_value();
   }
   result.fp16_block_bytes = ns->info.fp16_block_bytes;
   result.deadline = lease->deadline;
@@ -1406,16 +1416,15 @@ absl::StatusOr<absl::Span<uint8_t>> Store::ClaimInPlace(uint64_t write_id,
   absl::StatusOr<WriteLease*> claimed = ClaimBlockLocked(write_id, index);
   if (!claimed.ok()) return claimed.status();
   WriteLease* lease = *claimed;
-  const Namespace& ns = *lease->ns.get();
-  std::optional<uint64_t> offset = InPlaceOffset(ns, lease->pages[index]);
-  if (!offset.has_value()) {
+  const uint64_t offset = lease->in_place_offset[index];
+  if (offset == kNotInPlace) {
     lease->staged[index] = 0;
     --lease->staging;  // not aborted: ClaimBlockLocked found it live
     return absl::FailedPreconditionError(absl::StrCat(
         "block ", index, " of this write cannot be received in place"));
   }
-  return absl::MakeSpan(arena_->host_base() + *offset,
-                        ns.info.fp16_block_bytes);
+  return absl::MakeSpan(arena_->host_base() + offset,
+                        lease->ns.get()->info.fp16_block_bytes);
 }
 
 absl::Status Store::FinishInPlace(uint64_t write_id, uint32_t index,
@@ -1440,12 +1449,11 @@ absl::Status Store::FinishInPlace(uint64_t write_id, uint32_t index,
     status = absl::FailedPreconditionError(kStaleWriteLease);
   } else if (landed) {
     const Namespace& ns = *lease->ns.get();
-    const PageList& pages = lease->pages[index];
-    const uint64_t offset = *InPlaceOffset(ns, pages);
+    const uint64_t offset = lease->in_place_offset[index];
     status = SealInPlace(ns, lease->blocks[index].key,
                          absl::MakeConstSpan(arena_->host_base() + offset,
                                              ns.info.fp16_block_bytes),
-                         pages);
+                         lease->pages[index]);
     if (!status.ok()) {
       status = absl::Status(
           status.code(), absl::StrCat("block ", index, ": ", status.message()));
@@ -1746,6 +1754,91 @@ bool Store::ReadsInPlace(const NamespaceInfo& ns, ReadFormat format) const {
   return InPlace(ns.config.policy.codec, format);
 }
 
+absl::Status Store::CheckPinTakeover(const Namespace& ns,
+                                     const ReadOptions& options) {
+  MutexLock lock(&lease_mu_);
+  auto pin = read_leases_.find(options.pin_lease_id);
+  // Another holder's pin answers as an unknown one.
+  if (pin == read_leases_.end() || pin->second->holder != options.holder) {
+    return absl::FailedPreconditionError("pin lease is unknown or has expired");
+  }
+  // Taking a pin over releases it: only a read of its own namespace may.
+  if (pin->second->ns_id != ns.id) {
+    return absl::FailedPreconditionError(
+        "pin lease belongs to another namespace");
+  }
+  // A held lease is a transfer's, which still reads its pages.
+  if (pin->second->held) {
+    return absl::FailedPreconditionError(
+        "pin lease is in use by a data-plane transfer");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::ReadPinnedBlocks(const Namespace& ns,
+                                     absl::Span<const std::string> keys,
+                                     const ReadOptions& options,
+                                     absl::Span<const uint32_t> positions,
+                                     std::vector<Entry*>* entries,
+                                     ReadResult* result) {
+  // Every block is verified (and decoded) at once on the read executor;
+  // then, in key order, the first error ends the read and corrupt blocks
+  // are dropped.
+  struct Pending {
+    ReadBlock block;
+    absl::Status status;
+    absl::Status verified;
+  };
+  std::vector<Pending> pending(entries->size());
+  // Helpers only where there is enough to share (SetReadExecutor).
+  const int helpers =
+      ns.info.encoded_block_bytes * entries->size() >= read_parallel_bytes_
+          ? read_helpers_
+          : 0;
+  ParallelFor(entries->size(), read_executor_, helpers, [&](size_t j) {
+    // Decode scratch per thread and reused (a fresh buffer per block is
+    // fresh memory per block); not kept above kKeptScratchBytes.
+    constexpr size_t kKeptScratchBytes = size_t{32} << 20;
+    static thread_local std::vector<uint8_t> stored;
+    pending[j].block.key = keys[positions[j]];
+    pending[j].status =
+        ReadPinnedBlock(ns, *(*entries)[j], options, &stored, &pending[j].block,
+                        &pending[j].verified);
+    if (stored.capacity() > kKeptScratchBytes) {
+      std::vector<uint8_t>().swap(stored);
+    }
+  });
+  absl::Status status;
+  for (size_t j = 0; j < entries->size() && status.ok(); ++j) {
+    Entry* entry = (*entries)[j];
+    status = pending[j].status;
+    if (!status.ok()) break;
+    if (const absl::Status& verified = pending[j].verified; !verified.ok()) {
+      DropCorrupt(entry, entry->serial);  // pinned: the serial holds
+      if (!options.allow_missing) {
+        status = absl::DataLossError(absl::StrCat("block ", positions[j], ": ",
+                                                  verified.message(),
+                                                  "; the block was dropped"));
+        break;
+      }
+      // A miss like any other: this read no longer holds it.
+      {
+        Shard& shard = shards_[entry->shard];
+        MutexLock lock(&shard.mu);
+        Unpin(shard, entry);
+      }
+      (*entries)[j] = nullptr;
+      result->missing.push_back(positions[j]);
+      continue;
+    }
+    result->blocks.push_back(std::move(pending[j].block));
+  }
+  entries->erase(std::remove(entries->begin(), entries->end(), nullptr),
+                 entries->end());
+  std::sort(result->missing.begin(), result->missing.end());
+  return status;
+}
+
 absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
                                             absl::Span<const std::string> keys,
                                             const ReadOptions& options) {
@@ -1757,23 +1850,7 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
   if (!found_ns.ok()) return found_ns.status();
   Namespace* ns = found_ns->get();
   if (options.pin_lease_id != 0) {
-    MutexLock lock(&lease_mu_);
-    auto pin = read_leases_.find(options.pin_lease_id);
-    // Another holder's pin answers as an unknown one.
-    if (pin == read_leases_.end() || pin->second->holder != options.holder) {
-      return absl::FailedPreconditionError(
-          "pin lease is unknown or has expired");
-    }
-    // Taking a pin over releases it: only a read of its own namespace may.
-    if (pin->second->ns_id != ns->id) {
-      return absl::FailedPreconditionError(
-          "pin lease belongs to another namespace");
-    }
-    // A held lease is a transfer's, which still reads its pages.
-    if (pin->second->held) {
-      return absl::FailedPreconditionError(
-          "pin lease is in use by a data-plane transfer");
-    }
+    if (absl::Status s = CheckPinTakeover(*ns, options); !s.ok()) return s;
   }
   ReadResult result;
   std::vector<Entry*> entries;
@@ -1788,64 +1865,8 @@ absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
   }
 
   result.ns = ns->info;
-  // Every block is verified (and decoded) at once on the read executor;
-  // then, in key order, the first error ends the read and corrupt blocks
-  // are dropped.
-  struct Pending {
-    ReadBlock block;
-    absl::Status status;
-    absl::Status verified;
-  };
-  std::vector<Pending> pending(entries.size());
-  // Helpers only where there is enough to share (SetReadExecutor).
-  const int helpers =
-      ns->info.encoded_block_bytes * entries.size() >= read_parallel_bytes_
-          ? read_helpers_
-          : 0;
-  ParallelFor(entries.size(), read_executor_, helpers, [&](size_t j) {
-    // Decode scratch per thread and reused (a fresh buffer per block is
-    // fresh memory per block); not kept above kKeptScratchBytes.
-    constexpr size_t kKeptScratchBytes = size_t{32} << 20;
-    static thread_local std::vector<uint8_t> stored;
-    pending[j].block.key = keys[positions[j]];
-    pending[j].status =
-        ReadPinnedBlock(*ns, *entries[j], options, &stored, &pending[j].block,
-                        &pending[j].verified);
-    if (stored.capacity() > kKeptScratchBytes) {
-      std::vector<uint8_t>().swap(stored);
-    }
-  });
-  absl::Status status;
-  for (size_t j = 0; j < entries.size() && status.ok(); ++j) {
-    Entry* entry = entries[j];
-    ReadBlock& block = pending[j].block;
-    const absl::Status& verified = pending[j].verified;
-    status = pending[j].status;
-    if (!status.ok()) break;
-    if (!verified.ok()) {
-      DropCorrupt(entry, entry->serial);  // pinned: the serial holds
-      if (!options.allow_missing) {
-        status = absl::DataLossError(absl::StrCat("block ", positions[j], ": ",
-                                                  verified.message(),
-                                                  "; the block was dropped"));
-        break;
-      }
-      // A miss like any other: this read no longer holds it.
-      {
-        Shard& shard = shards_[entry->shard];
-        MutexLock lock(&shard.mu);
-        Unpin(shard, entry);
-      }
-      entries[j] = nullptr;
-      result.missing.push_back(positions[j]);
-      continue;
-    }
-    result.blocks.push_back(std::move(block));
-  }
-  entries.erase(std::remove(entries.begin(), entries.end(), nullptr),
-                entries.end());
-  std::sort(result.missing.begin(), result.missing.end());
-
+  absl::Status status =
+      ReadPinnedBlocks(*ns, keys, options, positions, &entries, &result);
   if (!status.ok() || !options.keep_lease) {
     UnpinAll(entries);
     if (!status.ok()) return status;

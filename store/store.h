@@ -562,6 +562,22 @@ class Store {
                                const ReadOptions& options,
                                std::vector<uint8_t>* stored, ReadBlock* block,
                                absl::Status* verified);
+  // BeginRead's check of a pin it is to take over (options.pin_lease_id):
+  // FAILED_PRECONDITION unless it is a live, unheld pin of the caller's in
+  // `ns`. Takes lease_mu_.
+  absl::Status CheckPinTakeover(const Namespace& ns, const ReadOptions& options)
+      ABSL_LOCKS_EXCLUDED(lease_mu_);
+  // BeginRead's second step: reads the pinned `entries` (of keys at
+  // `positions`) into result->blocks in key order. A corrupt block is
+  // dropped from the index and, with allow_missing, unpinned, taken out of
+  // `entries` and listed in result->missing; otherwise it is DATA_LOSS. The
+  // first error ends the read; `entries` then still holds every pin.
+  absl::Status ReadPinnedBlocks(const Namespace& ns,
+                                absl::Span<const std::string> keys,
+                                const ReadOptions& options,
+                                absl::Span<const uint32_t> positions,
+                                std::vector<Entry*>* entries,
+                                ReadResult* result);
   // Evicts the least recently used evictable block among `victims` (kOwn:
   // `owner`'s); false when none.
   bool EvictOne(std::atomic<uint64_t>* counter, Victims victims,

@@ -14,7 +14,9 @@ process ran.
 
 Categories, by the sample's symbol or library: kernel socket copies
 (_copy_from_iter: a sender's bytes into the socket; _copy_to_iter: out of
-it), the kernel's TCP/IP stack, page faults, scheduling and system-call
+it), the kernel's TCP/IP stack, page faults and page allocation (the
+kernel's own for socket buffers included: without call graphs the two
+cannot be told apart), scheduling and system-call
 entry, other kernel; and in user space memcpy, checksum (xxHash), codec
 (our kernels), UCX, gRPC/protobuf/Abseil, Python and numpy, other.
 
@@ -46,7 +48,7 @@ CATEGORIES = [
     ("kernel: socket copy", lambda dso, sym: dso == "k" and sym in (
         "_copy_from_iter", "_copy_to_iter", "copy_user_generic_string",
         "copy_user_enhanced_fast_string", "rep_movs_alternative")),
-    ("kernel: page faults", lambda dso, sym: dso == "k" and re.search(
+    ("kernel: page faults, page allocation", lambda dso, sym: dso == "k" and re.search(
         r"clear_page|fault|folio_zero|alloc_pages|rmqueue|get_page_from_freelist",
         sym) is not None),
     ("kernel: TCP/IP stack", lambda dso, sym: dso == "k" and re.search(
@@ -197,7 +199,7 @@ def main() -> int:
     print(f"profile: ours {path} {codec} {op}{'' if op == 'put' else ' ' + fmt}, {n} client "
           f"process(es), {seconds:.0f} s: {moved / seconds / 2**20:.0f} MiB/s of fp16 KV; "
           f"{total} samples over {cpus} CPUs; load {load} at start")
-    print(f"{'category':34s} {'node %':>7s} {'clients %':>9s}   "
+    print(f"{'category':36s} {'node %':>7s} {'clients %':>9s}   "
           f"{'node CPU-s/GiB':>14s} {'clients CPU-s/GiB':>17s}")
     for cat, _ in CATEGORIES:
         row = [counts[(g, cat)] for g in ("node", "clients")]
@@ -205,15 +207,15 @@ def main() -> int:
             continue
         share_pct = [100.0 * r / total for r in row]
         per_gib = [r / total * cpus * seconds / gib for r in row]
-        print(f"{cat:34s} {share_pct[0]:7.1f} {share_pct[1]:9.1f}   "
+        print(f"{cat:36s} {share_pct[0]:7.1f} {share_pct[1]:9.1f}   "
               f"{per_gib[0]:14.3f} {per_gib[1]:17.3f}")
     for group in ("node", "clients"):
         n_group = sum(v for (g, _), v in counts.items() if g == group)
-        print(f"{'all of ' + group:34s} {100.0 * n_group / total:7.1f}   "
+        print(f"{'all of ' + group:36s} {100.0 * n_group / total:7.1f}   "
               f"{n_group / total * cpus * seconds / gib:.3f} CPU-s/GiB")
     other = sum(v for (g, _), v in counts.items() if g == "other")
-    print(f"{'other processes':34s} {100.0 * other / total:7.1f}")
-    print(f"{'idle':34s} {100.0 * counts[('idle', 'idle')] / total:7.1f}")
+    print(f"{'other processes':36s} {100.0 * other / total:7.1f}")
+    print(f"{'idle':36s} {100.0 * counts[('idle', 'idle')] / total:7.1f}")
     return 0
 
 

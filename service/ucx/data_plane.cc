@@ -1704,12 +1704,33 @@ void DataPlane::PostSlice(const std::shared_ptr<ReadSession>& session,
     CopySlice(session, slice);
     return;
   }
-  const uint64_t conn_id = conn.id;
-  const ucp_ep_h ep = conn.out().get();
-  const ucp_rkey_h rkey = session->rkey->get();
   const uint32_t num_layers = session->num_layers;
-  const bool per_layer = session->per_layer;
-  const bool by_messages = session->by_messages;
+  ForEachPiece(
+      *session, slice,
+      [&](const uint8_t* src, uint64_t length, size_t b, uint64_t start) {
+        SendPiece(session, conn, slice, src, length, b, start);
+      });
+  // Whole blocks: the read is reported once, after its last block.
+  if (!session->per_layer && slice + 1 < session->slices) return;
+  const uint32_t layers_done = session->per_layer ? slice + 1 : num_layers;
+  std::optional<uint32_t> data_messages;
+  if (session->by_messages) data_messages = session->data_messages;
+  if (session->by_messages && session->sequenced && layers_done < num_layers) {
+    // Numbered data messages need no flush: the client applies a status
+    // once the messages sent before it have landed, by their sequence
+    // numbers. So a layer's status follows its messages at once.
+    session->layers_done = layers_done;
+    SendReadStatus(conn.id, session->id, session->token, layers_done,
+                   num_layers, absl::OkStatus(), data_messages);
+    return;
+  }
+  FlushAndReport(session, conn, layers_done, data_messages);
+}
+
+void DataPlane::SendPiece(const std::shared_ptr<ReadSession>& session,
+                          Connection& conn, uint32_t slice, const uint8_t* src,
+                          uint64_t length, size_t b, uint64_t start) {
+  const ucp_ep_h ep = conn.out().get();
   auto track = [this, session, slice](absl::Status status) {
     loop_->AddBusy(-1);
     --session->outstanding;
@@ -1717,68 +1738,58 @@ void DataPlane::PostSlice(const std::shared_ptr<ReadSession>& session,
     SliceSent(session, slice);
     ReleaseIfIdle(*session);
   };
-  // Piece [start, start + length) of block b, from src.
-  auto put = [&](const uint8_t* src, uint64_t length, size_t b,
-                 uint64_t start) {
-    ++session->outstanding;
-    ++session->slice_sends[slice];
-    session->slice_bytes[slice] += length;
-    loop_->AddBusy(1);
-    if (!by_messages) {
-      const uint64_t dst = session->remote[b] + start;
-      Operation::Start(
-          Operation::Kind::kSend,
-          [ep, rkey, src, length, dst](const ucp_request_param_t& param,
-                                       absl::string_view) {
-            return ucp_put_nbx(ep, src, length, dst, rkey, &param);
-          },
-          track);
-      return;
-    }
-    ReadDataHeader h;
-    h.read_id = session->id;
-    h.token = session->token;
-    h.block = static_cast<uint32_t>(b);
-    h.offset = start;
-    h.has_sequence = session->sequenced;
-    h.sequence = session->data_messages++;
+  ++session->outstanding;
+  ++session->slice_sends[slice];
+  session->slice_bytes[slice] += length;
+  loop_->AddBusy(1);
+  if (!session->by_messages) {
+    const ucp_rkey_h rkey = session->rkey->get();
+    const uint64_t dst = session->remote[b] + start;
     Operation::Start(
         Operation::Kind::kSend,
-        [ep, src, length](const ucp_request_param_t& param,
-                          absl::string_view header) {
-          ucp_request_param_t p = param;
-          if (length >= kRendezvousBytes) {
-            // Rendezvous: the client receives straight into its region.
-            p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-            p.flags = UCP_AM_SEND_FLAG_RNDV;
-          }
-          return ucp_am_send_nbx(ep, kAmReadData, header.data(), header.size(),
-                                 src, length, &p);
+        [ep, rkey, src, length, dst](const ucp_request_param_t& param,
+                                     absl::string_view) {
+          return ucp_put_nbx(ep, src, length, dst, rkey, &param);
         },
-        track, Encode(h));
-  };
-  ForEachPiece(*session, slice, put);
-  // Whole blocks: the read is reported once, after its last block.
-  if (!per_layer && slice + 1 < session->slices) return;
-  const uint32_t layers_done = per_layer ? slice + 1 : num_layers;
-  std::optional<uint32_t> data_messages;
-  if (by_messages) data_messages = session->data_messages;
-  if (by_messages && session->sequenced && layers_done < num_layers) {
-    // Numbered data messages need no flush: the client applies a status
-    // once the messages sent before it have landed, by their sequence
-    // numbers. So a layer's status follows its messages at once.
-    session->layers_done = layers_done;
-    SendReadStatus(conn_id, session->id, session->token, layers_done,
-                   num_layers, absl::OkStatus(), data_messages);
+        track);
     return;
   }
+  ReadDataHeader h;
+  h.read_id = session->id;
+  h.token = session->token;
+  h.block = static_cast<uint32_t>(b);
+  h.offset = start;
+  h.has_sequence = session->sequenced;
+  h.sequence = session->data_messages++;
+  Operation::Start(
+      Operation::Kind::kSend,
+      [ep, src, length](const ucp_request_param_t& param,
+                        absl::string_view header) {
+        ucp_request_param_t p = param;
+        if (length >= kRendezvousBytes) {
+          // Rendezvous: the client receives straight into its region.
+          p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+          p.flags = UCP_AM_SEND_FLAG_RNDV;
+        }
+        return ucp_am_send_nbx(ep, kAmReadData, header.data(), header.size(),
+                               src, length, &p);
+      },
+      track, Encode(h));
+}
+
+void DataPlane::FlushAndReport(const std::shared_ptr<ReadSession>& session,
+                               Connection& conn, uint32_t layers_done,
+                               std::optional<uint32_t> data_messages) {
   // The flush completes once every put issued so far is in the client's
   // memory; then the client hears that these layers are there.
+  const uint64_t conn_id = conn.id;
+  const uint32_t num_layers = session->num_layers;
   ++session->outstanding;
   loop_->AddBusy(1);
   Operation::Start(
       Operation::Kind::kSend,
-      [ep](const ucp_request_param_t& param, absl::string_view) {
+      [ep = conn.out().get()](const ucp_request_param_t& param,
+                              absl::string_view) {
         return ucp_ep_flush_nbx(ep, &param);
       },
       [this, session, conn_id, layers_done, num_layers,

@@ -395,6 +395,17 @@ class DataPlane {
   void SliceSent(const std::shared_ptr<ReadSession>& session, uint32_t slice);
   void PostSlice(const std::shared_ptr<ReadSession>& session, Connection& conn,
                  uint32_t slice);
+  // Sends bytes [start, start + length) of block `b`, at `src`, as part of
+  // `slice`: a put into the client's region, or a kAmReadData message when
+  // the read is delivered by messages. Counted in the slice's sends.
+  void SendPiece(const std::shared_ptr<ReadSession>& session, Connection& conn,
+                 uint32_t slice, const uint8_t* src, uint64_t length, size_t b,
+                 uint64_t start);
+  // Flushes `conn`, then reports `layers_done` to the client (and finishes
+  // the read at its last layer), or ends the read with its error.
+  void FlushAndReport(const std::shared_ptr<ReadSession>& session,
+                      Connection& conn, uint32_t layers_done,
+                      std::optional<uint32_t> data_messages);
   // Calls fn(source, length, block, offset in the block) for each piece of
   // `slice`: a piece is contiguous in the node's memory.
   static void ForEachPiece(
