@@ -452,6 +452,15 @@ absl::Status PendingRead::WaitLayer(uint32_t layer) {
 }
 
 absl::Status PendingRead::Wait() {
+  if (impl_->decoder != nullptr && impl_->read != nullptr &&
+      impl_->plane_layers > 1) {
+    // Decoded on the client: each layer as soon as it has landed, while the
+    // node still sends the later ones (a read reported layer by layer).
+    for (uint32_t layer = 0; layer < num_layers(); ++layer) {
+      if (absl::Status st = WaitLayer(layer); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
   if (impl_->read != nullptr) {
     absl::Status st = impl_->read->WaitLayers(
         impl_->plane_layers, impl_->deadline, impl_->cancel.get());

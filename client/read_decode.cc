@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/stream_copy.h"
 #include "kernels/codec.h"
 
 namespace kvcache::internal {
@@ -25,7 +26,8 @@ absl::Status DecodeWithOffsets(const BlockShape& shape,
                                const CodecPolicy& policy,
                                const std::vector<size_t>& offsets,
                                absl::Span<const uint8_t> raw, uint32_t from,
-                               uint32_t to, absl::Span<uint8_t> fp16) {
+                               uint32_t to, absl::Span<uint8_t> fp16,
+                               kernels::DecodeStores stores) {
   const size_t fp16_bytes = kernels::Fp16BlockBytes(shape);
   if (fp16.size() != fp16_bytes || shape.num_layers == 0) {
     return absl::InvalidArgumentError(absl::StrCat("a slot of ", fp16.size(),
@@ -46,7 +48,7 @@ absl::Status DecodeWithOffsets(const BlockShape& shape,
         layer_bytes / 2);
     absl::Status st = kernels::DecodeBlock(
         one, kernels::LayerPolicy(shape, policy, l),
-        raw.subspan(offsets[l], offsets[l + 1] - offsets[l]), out);
+        raw.subspan(offsets[l], offsets[l + 1] - offsets[l]), out, stores);
     if (!st.ok()) {
       return absl::DataLossError(absl::StrCat("layer ", l, ": ", st.message()));
     }
@@ -61,11 +63,15 @@ absl::Status DecodeRawLayers(const BlockShape& shape, const CodecPolicy& policy,
                              uint32_t to, absl::Span<uint8_t> fp16) {
   return DecodeWithOffsets(shape, policy,
                            kernels::EncodedLayerOffsets(shape, policy), raw,
-                           from, to, fp16);
+                           from, to, fp16, kernels::DecodeStores::kCached);
 }
 
 absl::Status DecodeResultToFp16(GetResult& result) {
   const size_t fp16_bytes = kernels::Fp16BlockBytes(result.shape);
+  const kernels::DecodeStores stores =
+      fp16_bytes * result.blocks.size() >= kStreamingDecodeBytes
+          ? kernels::DecodeStores::kStreaming
+          : kernels::DecodeStores::kCached;
   for (BlockData& block : result.blocks) {
     if (block.format == ReadFormat::kFp16) continue;
     absl::StatusOr<CodecPolicy> policy =
@@ -73,13 +79,15 @@ absl::Status DecodeResultToFp16(GetResult& result) {
     if (!policy.ok()) return policy.status();
     if (policy->codec != Codec::kNone) {
       std::string fp16(fp16_bytes, '\0');
-      absl::Status st = DecodeRawLayers(
+      absl::Status st = DecodeWithOffsets(
           result.shape, *policy,
+          kernels::EncodedLayerOffsets(result.shape, *policy),
           absl::MakeConstSpan(
               reinterpret_cast<const uint8_t*>(block.bytes.data()),
               block.bytes.size()),
           0, result.shape.num_layers,
-          absl::MakeSpan(reinterpret_cast<uint8_t*>(fp16.data()), fp16.size()));
+          absl::MakeSpan(reinterpret_cast<uint8_t*>(fp16.data()), fp16.size()),
+          stores);
       if (!st.ok()) return st;
       block.bytes = std::move(fp16);
     } else if (block.bytes.size() != fp16_bytes) {
@@ -91,8 +99,20 @@ absl::Status DecodeResultToFp16(GetResult& result) {
   return absl::OkStatus();
 }
 
+namespace {
+
+bool WorthStreaming(const std::vector<LayerDecoder::Block>& blocks) {
+  uint64_t bytes = 0;
+  for (const LayerDecoder::Block& b : blocks) bytes += b.fp16.size();
+  return bytes >= kStreamingDecodeBytes;
+}
+
+}  // namespace
+
 LayerDecoder::LayerDecoder(BlockShape shape, std::vector<Block> blocks)
-    : shape_(shape), blocks_(std::move(blocks)) {
+    : shape_(shape),
+      blocks_(std::move(blocks)),
+      stream_(WorthStreaming(blocks_)) {
   for (const Block& b : blocks_) {
     offsets_.push_back(kernels::EncodedLayerOffsets(shape_, b.policy));
   }
@@ -107,15 +127,23 @@ absl::Status LayerDecoder::DecodeThrough(uint32_t layers) {
     if (b.policy.codec == Codec::kNone) {
       // Stored fp16: the layers' bytes are the same raw and decoded.
       const size_t layer_bytes = b.fp16.size() / shape_.num_layers;
-      std::memcpy(b.fp16.data() + decoded_ * layer_bytes,
-                  b.raw.data() + decoded_ * layer_bytes,
-                  (layers - decoded_) * layer_bytes);
+      const size_t at = decoded_ * layer_bytes;
+      const size_t n = (layers - decoded_) * layer_bytes;
+      if (stream_) {
+        StreamCopy(b.fp16.data() + at, b.raw.data() + at, n);
+      } else {
+        std::memcpy(b.fp16.data() + at, b.raw.data() + at, n);
+      }
       continue;
     }
     error_ = DecodeWithOffsets(shape_, b.policy, offsets_[i], b.raw, decoded_,
-                               layers, b.fp16);
+                               layers, b.fp16,
+                               stream_ ? kernels::DecodeStores::kStreaming
+                                       : kernels::DecodeStores::kCached);
     if (!error_.ok()) return error_;
   }
+  // Before another thread can be told the layers are there.
+  if (stream_) StreamCopyFence();
   decoded_ = layers;
   return absl::OkStatus();
 }

@@ -35,6 +35,14 @@ absl::Status DecodeRawLayers(const BlockShape& shape, const CodecPolicy& policy,
                              absl::Span<const uint8_t> raw, uint32_t from,
                              uint32_t to, absl::Span<uint8_t> fp16);
 
+// A decode that writes at least this many fp16 bytes stores them with
+// stores that bypass the cache (kernels::DecodeStores::kStreaming, and
+// StreamCopy for blocks stored fp16): more than a core's cache holds is
+// written before the caller reads any of it, so each line is written
+// without first being read from memory (docs/benchmarks.md, "Shared-memory
+// reads with stores that bypass the cache").
+inline constexpr uint64_t kStreamingDecodeBytes = uint64_t{4} << 20;
+
 // The raw blocks of an answer to a read asked for in fp16, decoded in place
 // of their bytes (blocks stored fp16 are already); every block's format is
 // then kFp16. DATA_LOSS as DecodeRawLayers.
@@ -42,7 +50,8 @@ absl::Status DecodeResultToFp16(GetResult& result);
 
 // The blocks of a GetInto that land raw in a scratch buffer and are
 // decoded into the caller's memory as their layers are waited for
-// (PendingRead::WaitLayer). Thread-safe; the first error sticks.
+// (PendingRead::WaitLayer), streamed when the blocks' fp16 bytes together
+// are at least kStreamingDecodeBytes. Thread-safe; the first error sticks.
 class LayerDecoder {
  public:
   struct Block {
@@ -59,6 +68,7 @@ class LayerDecoder {
  private:
   const BlockShape shape_;
   const std::vector<Block> blocks_;
+  const bool stream_;
   // EncodedLayerOffsets of each block, computed once, not at every wait.
   std::vector<std::vector<size_t>> offsets_;
   Mutex mu_;

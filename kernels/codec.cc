@@ -7,6 +7,7 @@
 
 #include "absl/base/config.h"
 #include "absl/strings/str_cat.h"
+#include "base/stream_copy.h"
 #include "kernels/codec_internal.h"
 #include "kernels/codec_simd.h"
 #include "kernels/half.h"
@@ -190,7 +191,7 @@ absl::Status EncodeWith(const BlockShape& shape, const CodecPolicy& policy,
 
 absl::Status DecodeWith(const BlockShape& shape, const CodecPolicy& policy,
                         absl::Span<const uint8_t> in, absl::Span<uint16_t> out,
-                        DecodeSectionFn decode) {
+                        DecodeSectionFn decode, bool stream = false) {
   if (absl::Status st = ValidatePolicy(shape, policy); !st.ok()) return st;
   const size_t out_elems = Fp16BlockBytes(shape) / 2;
   const SectionPlan plan(shape, policy);
@@ -207,7 +208,8 @@ absl::Status DecodeWith(const BlockShape& shape, const CodecPolicy& policy,
   }
   const uint8_t* src = in.data();
   uint16_t* dst = out.data();
-  for (const Section& s : plan.sections()) {
+  for (Section s : plan.sections()) {
+    s.stream_output = stream;
     decode(s, src, dst);
     src += internal::SectionBytes(s);
     dst += s.elements();
@@ -370,9 +372,15 @@ absl::Status CheckEncodable(const BlockShape& shape,
 
 absl::Status DecodeBlock(const BlockShape& shape, const CodecPolicy& policy,
                          absl::Span<const uint8_t> encoded_in,
-                         absl::Span<uint16_t> fp16_out) {
-  return DecodeWith(shape, policy, encoded_in, fp16_out,
-                    &internal::DecodeSectionSimd);
+                         absl::Span<uint16_t> fp16_out, DecodeStores stores) {
+  if (stores == DecodeStores::kCached) {
+    return DecodeWith(shape, policy, encoded_in, fp16_out,
+                      &internal::DecodeSectionSimd);
+  }
+  absl::Status st = DecodeWith(shape, policy, encoded_in, fp16_out,
+                               &internal::DecodeSectionSimd, /*stream=*/true);
+  StreamCopyFence();
+  return st;
 }
 
 absl::Status EncodeBlockReference(const BlockShape& shape,

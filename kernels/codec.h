@@ -103,10 +103,18 @@ absl::Status EncodeBlock(const BlockShape& shape, const CodecPolicy& policy,
 // codec none would copy them (received into a block's pages).
 absl::Status CheckEncodable(const BlockShape& shape,
                             absl::Span<const uint16_t> fp16_in);
+// How DecodeBlock stores its output. kStreaming: where the output is
+// aligned to the vector, with stores that bypass the cache (x86
+// non-temporal), fenced before DecodeBlock returns; for a caller that
+// decodes more than the caches hold before anything reads it (a batch of
+// blocks decoded on a client), so that each output line is written without
+// first being read from memory. The bytes are the same either way.
+enum class DecodeStores { kCached, kStreaming };
 // INVALID_ARGUMENT for an invalid policy or spans of the wrong size.
 absl::Status DecodeBlock(const BlockShape& shape, const CodecPolicy& policy,
                          absl::Span<const uint8_t> encoded_in,
-                         absl::Span<uint16_t> fp16_out);
+                         absl::Span<uint16_t> fp16_out,
+                         DecodeStores stores = DecodeStores::kCached);
 
 // The scalar reference (the specification in code); same contract and the
 // same output bytes as EncodeBlock / DecodeBlock (on non-finite input it

@@ -36,6 +36,10 @@ struct Section {
   // *non_finite to true if the section holds any; the output is then not a
   // valid encoding. When null, the caller has checked the input.
   bool* non_finite = nullptr;
+  // Decode only, optional (SIMD path): store the output with non-temporal
+  // stores where it is aligned to full vectors (DecodeStores::kStreaming);
+  // the caller fences. The reference ignores it.
+  bool stream_output = false;
 
   size_t elements() const { return static_cast<size_t>(tokens) * heads * dim; }
 };

@@ -823,6 +823,31 @@ void EncodeFp8(const Section& s, const uint16_t* in, uint8_t* out) {
   }
 }
 
+// Whether a decoder may store vectors of d16 with hn::Stream at
+// out + k * Lanes(d16) (rows of `run` values, each row whole vectors): the
+// section asks for it (Section::stream_output), the vectors are full
+// registers of 16 bytes or more (the stream of a narrower vector would
+// write a whole register) and `out` is aligned to them.
+template <class D16>
+HWY_INLINE bool MayStream(const Section& s, D16 d16, const uint16_t* out,
+                          size_t run) {
+  const size_t lanes = hn::Lanes(d16);
+  const size_t bytes = lanes * sizeof(uint16_t);
+  return s.stream_output && bytes >= 16 && run % lanes == 0 &&
+         reinterpret_cast<uintptr_t>(out) % bytes == 0;
+}
+
+// A decoder's output store (see MayStream).
+template <class D16>
+HWY_INLINE void StoreDecoded(hn::Vec<D16> v, D16 d16, bool stream,
+                             uint16_t* HWY_RESTRICT dst) {
+  if (stream) {
+    hn::Stream(v, d16, dst);
+  } else {
+    hn::StoreU(v, d16, dst);
+  }
+}
+
 template <Codec kCodec>
 void DecodeFp8(const Section& s, const uint8_t* in, uint16_t* out) {
   const size_t T = s.tokens, H = s.heads, D = s.dim;
@@ -842,6 +867,7 @@ void DecodeFp8(const Section& s, const uint8_t* in, uint16_t* out) {
   const hn::Rebind<uint8_t, decltype(df)> d8;
   const size_t N = hn::Lanes(df);
   constexpr bool kE4M3 = kCodec == Codec::kFp8E4M3;
+  const bool stream = MayStream(s, d16, out, D);
   for (size_t t = 0; t < T; ++t) {
     for (size_t h = 0; h < H; ++h) {
       const size_t base = (t * H + h) * D;
@@ -853,7 +879,7 @@ void DecodeFp8(const Section& s, const uint8_t* in, uint16_t* out) {
       for (; j + N <= D; j += N) {
         const auto c = hn::PromoteTo(du, hn::LoadU(d8, src + j));
         const auto v = hn::Mul(Fp8ToF32<kE4M3>(df, c), vsc);
-        hn::StoreU(F32ToHalf(df, v), d16, dst + j);
+        StoreDecoded(F32ToHalf(df, v), d16, stream, dst + j);
       }
       for (; j < D; ++j) {
         dst[j] = HalfFromFloat(Fp8ScalarToFloat<kCodec>(src[j]) * sc);
@@ -1291,6 +1317,7 @@ void DecodeKiviKeys(DF df, const Section& s, const uint8_t* in, uint16_t* out) {
   float* zf = Sized(scratch.f2, HD);
   float* sf = Sized(scratch.f3, HD);
   uint8_t* stage = Sized(scratch.stage, HD);
+  const bool stream = MayStream(s, d16, out, HD);
   for (size_t g = 0; g < T / G; ++g) {
     for (size_t j = 0; j < HD; j += N) {
       const size_t m = g * HD + j;
@@ -1310,7 +1337,7 @@ void DecodeKiviKeys(DF df, const Section& s, const uint8_t* in, uint16_t* out) {
         // Multiply, round, add, round (no fused multiply-add).
         const auto p = hn::Mul(c, hn::LoadU(df, sf + j));
         const auto y = hn::Add(p, hn::LoadU(df, zf + j));
-        hn::StoreU(F32ToHalf(df, y), d16, dst + j);
+        StoreDecoded(F32ToHalf(df, y), d16, stream, dst + j);
       }
     }
   }
@@ -1528,6 +1555,7 @@ void DecodeKiviValues(DF df, const Section& s, const uint8_t* in,
   const size_t batch = std::max<size_t>(1, 4096 / G);
   Scratch& scratch = GetScratch();
   uint8_t* stage = Sized(scratch.stage, batch * G);
+  const bool stream = MayStream(s, d16, out, G);
   for (size_t k0 = 0; k0 < groups; k0 += batch) {
     const size_t k1 = std::min(groups, k0 + batch);
     UnpackCodes<kBits>(codes + k0 * G * kBits / 8, (k1 - k0) * G, stage);
@@ -1541,7 +1569,7 @@ void DecodeKiviValues(DF df, const Section& s, const uint8_t* in,
             hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, src + j)));
         const auto p = hn::Mul(c, scale);
         const auto y = hn::Add(p, zero);
-        hn::StoreU(F32ToHalf(df, y), d16, dst + j);
+        StoreDecoded(F32ToHalf(df, y), d16, stream, dst + j);
       }
     }
   }
@@ -1684,6 +1712,7 @@ void DecodeFp8Bf16(const Section& s, const uint8_t* in, uint16_t* out) {
   const hn::Rebind<uint8_t, decltype(df)> d8;
   const size_t N = hn::Lanes(df);
   constexpr bool kE4M3 = kCodec == Codec::kFp8E4M3;
+  const bool stream = MayStream(s, d16, out, D);
   for (size_t t = 0; t < T; ++t) {
     for (size_t h = 0; h < H; ++h) {
       const size_t base = (t * H + h) * D;
@@ -1693,7 +1722,7 @@ void DecodeFp8Bf16(const Section& s, const uint8_t* in, uint16_t* out) {
         // x' = bf16_rne(float(code) * scale)
         const auto c = hn::PromoteTo(du, hn::LoadU(d8, codes + base + j));
         const auto v = hn::Mul(Fp8ToF32<kE4M3>(df, c), vsc);
-        hn::StoreU(F32ToBf16(df, v), d16, out + base + j);
+        StoreDecoded(F32ToBf16(df, v), d16, stream, out + base + j);
       }
       for (; j < D; ++j) {
         out[base + j] =
@@ -1914,13 +1943,14 @@ void DecodeKiviBf16(const Section& s, const uint8_t* in, uint16_t* out) {
   };
   if (s.is_key) {
     const size_t HD = size_t{s.heads} * s.dim;
+    const bool stream = MayStream(s, d16, out, HD);
     for (size_t t = 0; t < s.tokens; ++t) {
       const size_t m = (t / G) * HD, b = t * HD;
       size_t j = 0;
       for (; j + N <= HD; j += N) {
-        hn::StoreU(value(codes + b + j, hn::LoadU(df, zero + m + j),
-                         hn::LoadU(df, scale + m + j)),
-                   d16, out + b + j);
+        StoreDecoded(value(codes + b + j, hn::LoadU(df, zero + m + j),
+                           hn::LoadU(df, scale + m + j)),
+                     d16, stream, out + b + j);
       }
       for (; j < HD; ++j) {
         out[b + j] = scalar(codes[b + j], zero[m + j], scale[m + j]);
@@ -1928,13 +1958,14 @@ void DecodeKiviBf16(const Section& s, const uint8_t* in, uint16_t* out) {
     }
     return;
   }
+  const bool stream = MayStream(s, d16, out, G);
   for (size_t g = 0; g < groups; ++g) {
     const size_t b = g * G;
     size_t j = 0;
     if (G % N == 0) {
       const auto z = hn::Set(df, zero[g]), sc = hn::Set(df, scale[g]);
       for (; j < G; j += N) {
-        hn::StoreU(value(codes + b + j, z, sc), d16, out + b + j);
+        StoreDecoded(value(codes + b + j, z, sc), d16, stream, out + b + j);
       }
     }
     for (; j < G; ++j) out[b + j] = scalar(codes[b + j], zero[g], scale[g]);

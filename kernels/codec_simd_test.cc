@@ -187,6 +187,54 @@ TEST_P(SimdTest, LargeRandomBlocks) {
   }
 }
 
+// DecodeStores::kStreaming writes the bytes the cached decode writes and
+// nothing around them, wherever the output lies: vector-aligned (streamed)
+// or 2, 16 and 32 bytes past an alignment (streamed only where the vectors
+// still line up), for every codec, both source dtypes and the shapes whose
+// rows leave vector tails or fit no vector.
+TEST_P(SimdTest, StreamingDecodeWritesTheSameBytesAndNothingElse) {
+  constexpr size_t kGuard = 64;  // uint16_t values each side
+  constexpr uint16_t kGuardValue = 0xCDCD;
+  std::mt19937 rng(4242);
+  size_t cases = 0;
+  for (const ShapeCase& sc : Shapes()) {
+    for (SourceDtype dtype : {SourceDtype::kFp16, SourceDtype::kBf16}) {
+      BlockShape shape = sc.shape;
+      shape.source_dtype = dtype;
+      const std::vector<uint16_t> in =
+          testutil::MakeSourceData(shape, 0, static_cast<uint32_t>(rng()));
+      for (const CodecPolicy& p : Policies(shape, sc.group, rng)) {
+        if (!ValidatePolicy(shape, p).ok()) continue;
+        std::vector<uint8_t> enc(EncodedBlockBytes(shape, p));
+        ASSERT_TRUE(EncodeBlock(shape, p, in, absl::MakeSpan(enc)).ok())
+            << Describe(shape, p);
+        std::vector<uint16_t> cached(in.size());
+        ASSERT_TRUE(DecodeBlock(shape, p, enc, absl::MakeSpan(cached)).ok());
+        for (size_t skew : {0, 1, 8, 16}) {  // in uint16_t values
+          std::vector<uint16_t> buf(in.size() + 2 * kGuard + 64, kGuardValue);
+          // The first value at a 64-byte boundary of buf, past the guard.
+          const size_t misalign =
+              (reinterpret_cast<uintptr_t>(buf.data() + kGuard) % 64) / 2;
+          const size_t at = kGuard + (32 - misalign) % 32 + skew;
+          ASSERT_TRUE(DecodeBlock(shape, p, enc,
+                                  absl::MakeSpan(buf.data() + at, in.size()),
+                                  DecodeStores::kStreaming)
+                          .ok());
+          for (size_t i = 0; i < buf.size(); ++i) {
+            const bool inside = i >= at && i < at + in.size();
+            ASSERT_EQ(buf[i], inside ? cached[i - at] : kGuardValue)
+                << (inside ? "value " : "guard ") << i << " skew " << skew
+                << " " << Describe(shape, p)
+                << (dtype == SourceDtype::kBf16 ? " bf16" : " fp16");
+          }
+          ++cases;
+        }
+      }
+    }
+  }
+  EXPECT_GT(cases, size_t{300});
+}
+
 // The fp8 encoder's table path (codec_simd.cc) against the reference on
 // every finite fp16 value, over scales across the fp32 range: powers of two,
 // all-ones significands, the smallest normal and a subnormal (which take the

@@ -17,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "base/log.h"
 #include "base/populate.h"
+#include "base/stream_copy.h"
 #include "kernels/codec.h"
 #include "transport/status.h"
 // XXH3_state_t on the stack; runtime-dispatched XXH3 (as block_header.cc).
@@ -1570,7 +1571,9 @@ struct CopyPiece {
 // do not match their checksum (the task stops there), or nullopt. `stop`
 // ends it early (*stopped). The check hashes the stored bytes (the
 // source), from the cache right after their copy: what it vouches for is
-// the block as stored, as BeginRead's check did; the copy is a memcpy.
+// the block as stored, as BeginRead's check did. The copy bypasses the
+// cache (StreamCopy): the destination is the client's, read by it later;
+// the caller fences before it reports the copy.
 std::optional<std::pair<size_t, uint32_t>> CopyAndCheck(
     absl::Span<const CopyPiece> pieces, const std::atomic<bool>& stop,
     bool* stopped) {
@@ -1582,12 +1585,12 @@ std::optional<std::pair<size_t, uint32_t>> CopyAndCheck(
       return std::nullopt;
     }
     if (!piece.checked) {
-      std::memcpy(piece.dst, piece.src, piece.length);
+      StreamCopy(piece.dst, piece.src, piece.length);
       continue;
     }
     for (uint64_t at = 0; at < piece.length; at += kCheckChunkBytes) {
       const uint64_t n = std::min(kCheckChunkBytes, piece.length - at);
-      std::memcpy(piece.dst + at, piece.src + at, n);
+      StreamCopy(piece.dst + at, piece.src + at, n);
       XXH3_64bits_update(&state, piece.src + at, n);
     }
     if (piece.ends_layer) {
@@ -1652,6 +1655,9 @@ void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
       bool stopped = false;
       const std::optional<std::pair<size_t, uint32_t>> corrupt =
           CopyAndCheck(pieces, session->stop_copies, &stopped);
+      // The copies are in the client's memory before the loop thread can
+      // report them.
+      StreamCopyFence();
       loop_->Post([this, session, slice, stopped, corrupt] {
         loop_->AddBusy(-1);
         --session->outstanding;
