@@ -41,7 +41,9 @@ namespace kvcache {
 // and the fence costs more than the loads it saves.
 inline constexpr size_t kStreamCopyMinBytes = 4096;
 
-inline void StreamCopy(void* dst, const void* src, size_t n) {
+// Not inlined: a call per chunk costs nothing against the chunk's copy, and
+// profiles (bench/peers/profile.py) then count it as a copy.
+[[gnu::noinline]] inline void StreamCopy(void* dst, const void* src, size_t n) {
 #if KVCACHE_STREAM_COPY_SSE2
   if (n >= kStreamCopyMinBytes) {
     auto* d = static_cast<uint8_t*>(dst);

@@ -17,7 +17,8 @@ Categories, by the sample's symbol or library: kernel socket copies
 it), the kernel's TCP/IP stack, page faults and page allocation (the
 kernel's own for socket buffers included: without call graphs the two
 cannot be told apart), scheduling and system-call
-entry, other kernel; and in user space memcpy, checksum (xxHash), codec
+entry, other kernel; and in user space memcpy (with StreamCopy, the node's
+copies into a client's mapped buffer), checksum (xxHash), codec
 (our kernels), UCX, gRPC/protobuf/Abseil, Python and numpy, other.
 
 Run by `bench/peers/run.sh profile`; knobs: PATHS (one of tcp, shm), CODECS
@@ -58,7 +59,8 @@ CATEGORIES = [
         r"schedule|sched|syscall|epoll|futex|spin|switch|wake|ep_|poll|"
         r"fdget|read_tsc|ktime|hrtimer|timer", sym) is not None),
     ("kernel: other", lambda dso, sym: dso == "k"),
-    ("user: memcpy", lambda dso, sym: re.search(r"mem(move|cpy|set)", sym) is not None),
+    # StreamCopy (base/stream_copy.h): the node's copies into a client's mapped buffer.
+    ("user: memcpy", lambda dso, sym: re.search(r"mem(move|cpy|set)|StreamCopy", sym) is not None),
     ("user: checksum", lambda dso, sym: "xxhash" in dso or sym.startswith("XXH")),
     ("user: codec", lambda dso, sym: "kernels::" in sym),
     ("user: UCX", lambda dso, sym: re.search(r"libuc[pts]", dso) is not None or
