@@ -430,6 +430,8 @@ struct PendingRead::Impl {
   // the pool.
   std::unique_ptr<DataBuffer> landing;
   std::unique_ptr<internal::LayerDecoder> decoder;
+  // The node reports each layer (ReadOptions::layer_by_layer); else once.
+  bool layer_by_layer = false;
   std::unique_ptr<ucx::ClientPlane::Read> read;  // null: inline, all there
 };
 
@@ -453,7 +455,7 @@ absl::Status PendingRead::WaitLayer(uint32_t layer) {
 
 absl::Status PendingRead::Wait() {
   if (impl_->decoder != nullptr && impl_->read != nullptr &&
-      impl_->plane_layers > 1) {
+      impl_->layer_by_layer) {
     // Decoded on the client: each layer as soon as it has landed, while the
     // node still sends the later ones (a read reported layer by layer).
     for (uint32_t layer = 0; layer < num_layers(); ++layer) {
@@ -895,6 +897,7 @@ absl::Status Client::Impl::StartDecodedReadInto(
   }
   pending.decoder = std::make_unique<internal::LayerDecoder>(metadata.shape,
                                                              std::move(blocks));
+  pending.layer_by_layer = layer_by_layer;
   absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
       StartRead(*ucx_plane, response, std::move(landing->region),
                 landing->offsets, layer_by_layer, landing->buffer_id);

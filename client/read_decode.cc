@@ -68,10 +68,6 @@ absl::Status DecodeRawLayers(const BlockShape& shape, const CodecPolicy& policy,
 
 absl::Status DecodeResultToFp16(GetResult& result) {
   const size_t fp16_bytes = kernels::Fp16BlockBytes(result.shape);
-  const kernels::DecodeStores stores =
-      fp16_bytes * result.blocks.size() >= kStreamingDecodeBytes
-          ? kernels::DecodeStores::kStreaming
-          : kernels::DecodeStores::kCached;
   for (BlockData& block : result.blocks) {
     if (block.format == ReadFormat::kFp16) continue;
     absl::StatusOr<CodecPolicy> policy =
@@ -79,15 +75,13 @@ absl::Status DecodeResultToFp16(GetResult& result) {
     if (!policy.ok()) return policy.status();
     if (policy->codec != Codec::kNone) {
       std::string fp16(fp16_bytes, '\0');
-      absl::Status st = DecodeWithOffsets(
+      absl::Status st = DecodeRawLayers(
           result.shape, *policy,
-          kernels::EncodedLayerOffsets(result.shape, *policy),
           absl::MakeConstSpan(
               reinterpret_cast<const uint8_t*>(block.bytes.data()),
               block.bytes.size()),
           0, result.shape.num_layers,
-          absl::MakeSpan(reinterpret_cast<uint8_t*>(fp16.data()), fp16.size()),
-          stores);
+          absl::MakeSpan(reinterpret_cast<uint8_t*>(fp16.data()), fp16.size()));
       if (!st.ok()) return st;
       block.bytes = std::move(fp16);
     } else if (block.bytes.size() != fp16_bytes) {

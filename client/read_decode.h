@@ -35,9 +35,9 @@ absl::Status DecodeRawLayers(const BlockShape& shape, const CodecPolicy& policy,
                              absl::Span<const uint8_t> raw, uint32_t from,
                              uint32_t to, absl::Span<uint8_t> fp16);
 
-// A decode that writes at least this many fp16 bytes stores them with
-// stores that bypass the cache (kernels::DecodeStores::kStreaming, and
-// StreamCopy for blocks stored fp16): more than a core's cache holds is
+// A LayerDecoder whose blocks hold at least this many fp16 bytes writes
+// them with stores that bypass the cache (kernels::DecodeStores::kStreaming,
+// and StreamCopy for blocks stored fp16): more than a core's cache holds is
 // written before the caller reads any of it, so each line is written
 // without first being read from memory (docs/benchmarks.md, "Shared-memory
 // reads with stores that bypass the cache").
@@ -45,7 +45,8 @@ inline constexpr uint64_t kStreamingDecodeBytes = uint64_t{4} << 20;
 
 // The raw blocks of an answer to a read asked for in fp16, decoded in place
 // of their bytes (blocks stored fp16 are already); every block's format is
-// then kFp16. DATA_LOSS as DecodeRawLayers.
+// then kFp16. DATA_LOSS as DecodeRawLayers. Ordinary stores: each block's
+// string is zero-filled first, which reads its lines already.
 absl::Status DecodeResultToFp16(GetResult& result);
 
 // The blocks of a GetInto that land raw in a scratch buffer and are

@@ -103,10 +103,12 @@ absl::Status EncodeBlock(const BlockShape& shape, const CodecPolicy& policy,
 // codec none would copy them (received into a block's pages).
 absl::Status CheckEncodable(const BlockShape& shape,
                             absl::Span<const uint16_t> fp16_in);
-// How DecodeBlock stores its output. kStreaming: where the output is
-// aligned to the vector, with stores that bypass the cache (x86
-// non-temporal), fenced before DecodeBlock returns; for a caller that
-// decodes more than the caches hold before anything reads it (a batch of
+// How DecodeBlock stores its output. kStreaming: the fp8 and KIVI sections,
+// where the output is aligned to full vectors of 16 bytes or more (AVX2:
+// 16-byte, AVX-512: 32-byte alignment; SSE4 and narrower never stream),
+// with stores that bypass the cache (x86 non-temporal), fenced before
+// DecodeBlock returns; codec-none sections are copied as usual. For a caller
+// that decodes more than the caches hold before anything reads it (a batch of
 // blocks decoded on a client), so that each output line is written without
 // first being read from memory. The bytes are the same either way.
 enum class DecodeStores { kCached, kStreaming };

@@ -454,8 +454,8 @@ class DataPlane {
   void FailCorrupt(ReadSession& session, size_t block, uint32_t layer);
   // Where the node maps every destination of the read (shared memory), sets
   // session.mapped: the pool then copies each slice (CopySlice, with stores
-  // that bypass the cache) instead of
-  // UCX putting it on the loop thread, and reports it once copied
+  // that bypass the cache) instead of UCX putting it on the loop thread,
+  // and reports it once copied
   // (ReportCopiedSlices) instead of after a flush.
   void MapDestinations(ReadSession& session);
   // Copies `slice` on the worker pool, in tasks of about kCopyTaskBytes;
