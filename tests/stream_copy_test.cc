@@ -12,9 +12,9 @@ namespace {
 
 // StreamCopy leaves the destination equal to the source and writes nothing
 // around it, for lengths below, at and above kStreamCopyMinBytes, lengths
-// that leave a tail of every size under a 64-byte step, and destinations and
-// sources at every offset from a 16-byte boundary (the streamed part starts
-// at the destination's first boundary).
+// that leave tails of several sizes under a 64-byte step, destinations at
+// six offsets from a 16-byte boundary (the streamed part starts at the
+// destination's first boundary) and sources at three.
 TEST(StreamCopyTest, CopiesExactlyTheRangeAtEveryAlignment) {
   constexpr size_t kGuard = 64;
   constexpr uint8_t kGuardByte = 0xCD;

@@ -2553,6 +2553,55 @@ TEST_P(UcxTest, AutoUsesGrpcSoonWhenTheDataPlaneAddressDoesNotAnswer) {
   ExpectNothingHeld(absl::Seconds(5));
 }
 
+// A GetInto decoded on the client with at least kStreamingDecodeBytes of
+// fp16 is written with stores that bypass the cache (read_decode.h): fp8
+// blocks through DecodeBlock's streaming stores, a block stored fp16 through
+// StreamCopy. Decoded a few layers at a time, as WaitLayer does, into a
+// 64-byte-aligned destination (so that every SIMD target that streams
+// does), each block must equal its cached decode (DecodeRawLayers) or, the
+// fp16 one, its stored bytes.
+TEST(LayerDecoderTest, AStreamedDecodeEqualsTheCachedOne) {
+  const kernels::BlockShape shape{16, 8, 128, 32};  // 2 MiB of fp16
+  const size_t fp16_bytes = kernels::Fp16BlockBytes(shape);
+  CodecPolicy fp8;
+  fp8.codec = Codec::kFp8E4M3;
+  const std::vector<CodecPolicy> policies = {fp8, CodecPolicy{}, fp8};
+  ASSERT_GE(fp16_bytes * policies.size(), internal::kStreamingDecodeBytes);
+  std::vector<std::vector<uint8_t>> raw;
+  std::vector<std::string> expected;
+  for (size_t b = 0; b < policies.size(); ++b) {
+    const std::vector<uint16_t> block = RandomBlock(shape, 90 + b);
+    raw.emplace_back(kernels::EncodedBlockBytes(shape, policies[b]));
+    ASSERT_TRUE(
+        kernels::EncodeBlock(shape, policies[b], block, absl::MakeSpan(raw[b]))
+            .ok());
+    std::string want(fp16_bytes, '\0');
+    ASSERT_TRUE(internal::DecodeRawLayers(
+                    shape, policies[b], raw[b], 0, shape.num_layers,
+                    absl::MakeSpan(reinterpret_cast<uint8_t*>(want.data()),
+                                   want.size()))
+                    .ok());
+    expected.push_back(std::move(want));
+  }
+  std::vector<uint8_t> memory(policies.size() * fp16_bytes + 64, 0xEE);
+  uint8_t* dest = memory.data() +
+                  (64 - reinterpret_cast<uintptr_t>(memory.data()) % 64) % 64;
+  std::vector<internal::LayerDecoder::Block> blocks;
+  for (size_t b = 0; b < policies.size(); ++b) {
+    blocks.push_back({raw[b], policies[b],
+                      absl::MakeSpan(dest + b * fp16_bytes, fp16_bytes)});
+  }
+  internal::LayerDecoder decoder(shape, std::move(blocks));
+  for (uint32_t layers : {1u, 5u, 5u, 16u}) {
+    ASSERT_TRUE(decoder.DecodeThrough(layers).ok()) << layers;
+  }
+  for (size_t b = 0; b < policies.size(); ++b) {
+    EXPECT_EQ(
+        std::memcmp(dest + b * fp16_bytes, expected[b].data(), fp16_bytes), 0)
+        << "block " << b;
+  }
+}
+
 // A data-plane address that accepts TCP connections but never answers UCX
 // (what a firewall or a wrong address looks like): sends, pulls and reads
 // fail with UNAVAILABLE (IsDataPlaneNotConnected) about kConnectTimeout
