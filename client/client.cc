@@ -340,6 +340,7 @@ ucx::NodeAddress Client::Impl::Resolve(const v1::DataPlaneInfo& info) const {
   address.pull_writes = info.pull_writes();
   address.message_reads = info.message_reads();
   address.sequenced_data = info.sequenced_data();
+  address.decodes_into_destination = info.decodes_into_destination();
   address.tcp_segments.tx_bytes = info.tcp_tx_seg_bytes();
   address.tcp_segments.rx_bytes = info.tcp_rx_seg_bytes();
   return address;
@@ -363,10 +364,28 @@ ReadOptions Client::Impl::OnTheWire(const ReadOptions& read) const {
   return wire;
 }
 
+bool Client::Impl::NodeDecodesInto(absl::Span<const uint8_t> dest) {
+  if (!options.decode_on_client) return false;
+  std::string node;
+  {
+    MutexLock lock(&read_node_mu);
+    node = read_node;
+  }
+  ucx::ClientPlane* ucx_plane;
+  {
+    MutexLock lock(&plane_mu);
+    ucx_plane = plane.get();
+  }
+  uint64_t buffer_id = 0;
+  return ucx_plane != nullptr && !node.empty() &&
+         ucx_plane->MapsDestinations(node).value_or(false) &&
+         buffers.Holding(dest.data(), dest.size(), &buffer_id) != nullptr;
+}
+
 absl::StatusOr<Client::Impl::Begun> Client::Impl::BeginRead(
     const std::string& ns, const std::vector<std::string>& keys,
     const ReadOptions& read, uint64_t pin_lease, bool inline_data,
-    const CallScope& scope) {
+    const CallScope& scope, bool decode_into_destination) {
   v1::BeginReadRequest request;
   request.set_namespace_name(ns);
   for (const std::string& k : keys) request.add_keys(k);
@@ -376,6 +395,7 @@ absl::StatusOr<Client::Impl::Begun> Client::Impl::BeginRead(
   request.set_inline_data(inline_data);
   if (!inline_data) request.set_data_plane_client(data_plane_client);
   request.set_allow_missing(read.allow_missing);
+  request.set_decode_into_destination(decode_into_destination);
   Begun begun;
   absl::Status st = Rpc(scope, [&](grpc::ClientContext* ctx) {
     return stub->BeginRead(ctx, request, &begun.response);
@@ -401,10 +421,14 @@ absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> Client::Impl::StartRead(
   std::vector<uint64_t> destinations;
   const uint64_t base = reinterpret_cast<uintptr_t>(region->data());
   for (uint64_t offset : offsets) destinations.push_back(base + offset);
-  return ucx_plane->StartRead(Resolve(response.data_plane()),
-                              response.read_id(), *token, std::move(region),
-                              destinations, PlaneLayers(response), per_layer,
-                              buffer_id);
+  const ucx::NodeAddress node = Resolve(response.data_plane());
+  {
+    MutexLock lock(&read_node_mu);
+    read_node = node.key();
+  }
+  return ucx_plane->StartRead(node, response.read_id(), *token,
+                              std::move(region), destinations,
+                              PlaneLayers(response), per_layer, buffer_id);
 }
 
 absl::Status Client::Impl::CheckInline(bool wanted,
@@ -918,7 +942,12 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
                      keys.size(), " blocks of stride ", stride));
   }
   const CallScope scope = impl_->Scope(call);
-  const ReadOptions read = impl_->OnTheWire(asked);
+  // Decoded here, or (where the node writes into `dest` itself) by the node
+  // straight into it.
+  const bool node_decodes =
+      asked.format == ReadFormat::kFp16 &&
+      impl_->NodeDecodesInto(dest.first(keys.size() * stride));
+  const ReadOptions read = node_decodes ? asked : impl_->OnTheWire(asked);
   const bool decode = read.format != asked.format;
   auto inline_read =
       [&](Impl::Begun& begun) -> absl::StatusOr<std::unique_ptr<PendingRead>> {
@@ -929,8 +958,9 @@ absl::StatusOr<std::unique_ptr<PendingRead>> Client::GetInto(
     return std::make_unique<PendingRead>(*std::move(impl));
   };
   const bool want = impl_->AskForDataPlane();
-  absl::StatusOr<Impl::Begun> begun = impl_->BeginRead(
-      ns, keys, read, read.pin_lease, /*inline_data=*/!want, scope);
+  absl::StatusOr<Impl::Begun> begun =
+      impl_->BeginRead(ns, keys, read, read.pin_lease, /*inline_data=*/!want,
+                       scope, /*decode_into_destination=*/node_decodes);
   if (!begun.ok()) return begun.status();
   if (!OverDataPlane(begun->response)) {
     if (absl::Status s = impl_->CheckInline(want, begun->response); !s.ok()) {

@@ -125,11 +125,21 @@ struct Client::Impl {
   // encoding for an fp16 read when the client decodes
   // (ClientOptions::decode_on_client), else the same.
   ReadOptions OnTheWire(const ReadOptions& read) const;
+  // Whether an fp16 read into `dest` is best decoded by the node, straight
+  // into `dest` (BeginReadRequest.decode_into_destination): the client
+  // would decode it (decode_on_client), `dest` lies in a DataBuffer, and
+  // the node's last report (ucx::ClientPlane::MapsDestinations) says that
+  // it maps this client's DataBuffers (shared memory). There the node
+  // decodes in the pass that checks the stored bytes, on its worker pool,
+  // with no landing buffer in between; elsewhere raw bytes travel at a
+  // fraction of fp16's.
+  bool NodeDecodesInto(absl::Span<const uint8_t> dest);
   absl::StatusOr<Begun> BeginRead(const std::string& ns,
                                   const std::vector<std::string>& keys,
                                   const ReadOptions& read, uint64_t pin_lease,
                                   bool inline_data,
-                                  const internal::CallScope& scope);
+                                  const internal::CallScope& scope,
+                                  bool decode_into_destination = false);
   // Starts the transfer of a data-plane read into `region`, block i at
   // region->data() + offsets[i].
   absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> StartRead(
@@ -235,6 +245,11 @@ struct Client::Impl {
 
   Mutex pull_mu;
   absl::flat_hash_set<std::string> pull_refused ABSL_GUARDED_BY(pull_mu);
+
+  // The node key (ucx::NodeAddress::key) of this client's last data-plane
+  // read, for NodeDecodesInto.
+  Mutex read_node_mu;
+  std::string read_node ABSL_GUARDED_BY(read_node_mu);
 
   // DataBuffers and Get's landing zones. Declared after `plane`, so that
   // it (with the idle regions of the plane it holds) is destroyed first.

@@ -453,12 +453,17 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   // Staging for the verified copies the store hands over, reserved before
   // they exist: a raw block is at most its fp16 size (KIVI's residual
   // window keeps some blocks fp16). A read that the store answers wholly in
-  // place copies nothing and needs none.
+  // place copies nothing and needs none. One whose client asks for its
+  // decode in its own memory (decode_into_destination) leaves encoded
+  // blocks in place too, for the data plane to decode at ReadStart: into
+  // the client's mapping of it, or into staging it reserves then.
   absl::StatusOr<store::NamespaceInfo> ns =
       store_->GetNamespace(request->namespace_name());
   if (!ns.ok()) return ns.status();
+  const bool decode_later =
+      request->decode_into_destination() && format == store::ReadFormat::kFp16;
   const uint64_t per_block =
-      store_->ReadsInPlace(*ns, format)
+      store_->ReadsInPlace(*ns, format, decode_later)
           ? 0
           : std::max(ns->fp16_block_bytes, ns->encoded_block_bytes);
   absl::StatusOr<ucx::StagingReservation> reservation =
@@ -474,6 +479,7 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   // (allow_missing) is checked here, so that a corrupt block is listed as
   // missing rather than failing the read mid-transfer.
   options.caller_verifies = !options.allow_missing;
+  options.decode_later = decode_later;
   absl::StatusOr<store::ReadResult> r = store_->BeginRead(
       request->namespace_name(), Keys(request->keys()), options);
   if (!r.ok()) return r.status();
@@ -497,7 +503,7 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
     out->set_key(block.key);
     out->set_codec(proto::CodecToProto(block.codec));
     out->set_format(request->format());
-    out->set_length(block.size());
+    out->set_length(block.answer_size());
     for (uint64_t end : ends[i]) out->add_layer_end_offsets(end);
   }
   response->set_read_id(r->lease_id);
@@ -509,6 +515,7 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   response->mutable_data_plane()->set_bounded_reads(true);
   response->mutable_data_plane()->set_message_reads(true);
   response->mutable_data_plane()->set_sequenced_data(true);
+  response->mutable_data_plane()->set_decodes_into_destination(true);
   return absl::OkStatus();
 }
 

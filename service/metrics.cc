@@ -246,6 +246,16 @@ class Metrics::DataPlaneCollector : public prometheus::Collectable {
             "(shared memory) on its worker pool, rather than by "
             "UCX puts on its progress thread.",
             g.copied_reads);
+    counter("kvcache_data_plane_blocks_decoded_into_destination_total",
+            "Blocks of fp16 reads that the node decoded straight into a "
+            "client buffer it maps (shared memory), in the pass that "
+            "checks them.",
+            g.blocks_decoded_into_destination);
+    counter("kvcache_data_plane_blocks_decoded_at_read_start_total",
+            "Blocks of fp16 reads asked to be decoded in the client's "
+            "memory that the node could not map, decoded into staging "
+            "when the transfer began.",
+            g.blocks_decoded_at_read_start);
     counter("kvcache_data_plane_reads_checked_while_copying_total",
             "Reads of blocks in place whose layer checksums the "
             "node checked in the pass that copied them into a "

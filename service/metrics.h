@@ -50,6 +50,8 @@ class Metrics {
     uint64_t blocks_received_in_place = 0;
     uint64_t message_reads = 0;
     uint64_t copied_reads = 0;
+    uint64_t blocks_decoded_into_destination = 0;
+    uint64_t blocks_decoded_at_read_start = 0;
     uint64_t reads_checked_while_copying = 0;
     uint64_t reads_checked_before_sending = 0;
     uint64_t read_slices_posted = 0;

@@ -112,6 +112,8 @@ absl::Status Node::StartDataPlane() {
     g.blocks_received_in_place = s.blocks_received_in_place;
     g.message_reads = s.message_reads;
     g.copied_reads = s.copied_reads;
+    g.blocks_decoded_into_destination = s.blocks_decoded_into_destination;
+    g.blocks_decoded_at_read_start = s.blocks_decoded_at_read_start;
     g.reads_checked_while_copying = s.reads_checked_while_copying;
     g.reads_checked_before_sending = s.reads_checked_before_sending;
     g.read_slices_posted = s.read_slices_posted;

@@ -1688,7 +1688,7 @@ absl::Status Store::ReadPinnedBlock(const Namespace& ns, const Entry& entry,
   const std::vector<uint64_t>& layer_ends =
       residual ? ns.residual_layer_ends : ns.layer_ends;
   const bool here = options.in_place && options.keep_lease &&
-                    InPlace(policy.codec, options.format);
+                    InPlace(policy.codec, options.format, options.decode_later);
   BlockHeader header;
   absl::Status status;
   if (here) {
@@ -1699,6 +1699,11 @@ absl::Status Store::ReadPinnedBlock(const Namespace& ns, const Entry& entry,
                               });
     if (status.ok()) status = ReadHeader(entry.pages.first, &header);
     if (!status.ok()) return status;
+    if (options.format == ReadFormat::kFp16 &&
+        policy.codec != kernels::Codec::kNone) {
+      block->decode_later = true;
+      block->fp16_bytes = ns.info.fp16_block_bytes;
+    }
     std::vector<uint64_t> sums;
     if (options.caller_verifies &&
         ReadLayerSums(entry.pages, layer_ends.size(), &sums)) {
@@ -1743,15 +1748,18 @@ absl::Status Store::ReadPinnedBlock(const Namespace& ns, const Entry& entry,
                      block->data.size() / 2));
 }
 
-bool Store::InPlace(kernels::Codec stored, ReadFormat format) const {
+bool Store::InPlace(kernels::Codec stored, ReadFormat format,
+                    bool decode_later) const {
   return arena_->host_base() != nullptr &&
-         (format == ReadFormat::kRaw || stored == kernels::Codec::kNone);
+         (format == ReadFormat::kRaw || stored == kernels::Codec::kNone ||
+          decode_later);
 }
 
-bool Store::ReadsInPlace(const NamespaceInfo& ns, ReadFormat format) const {
+bool Store::ReadsInPlace(const NamespaceInfo& ns, ReadFormat format,
+                         bool decode_later) const {
   // A block in KIVI's residual window is stored with codec none, so in
   // place for either format: where the namespace's codec is, every block is.
-  return InPlace(ns.config.policy.codec, format);
+  return InPlace(ns.config.policy.codec, format, decode_later);
 }
 
 absl::Status Store::CheckPinTakeover(const Namespace& ns,

@@ -211,12 +211,21 @@ struct ReadBlock {
   // Both empty when BeginRead checked the whole block.
   std::vector<uint64_t> unchecked_layer_ends;
   std::vector<uint64_t> unchecked_layer_sums;
+  // ReadOptions::decode_later: the spans hold this block's encoding (with
+  // `codec` and the namespace's policy), and what the reader is owed is its
+  // fp16 decode, `fp16_bytes` long; the caller decodes it where it delivers
+  // it. False: the spans or `data` are the answer as it is.
+  bool decode_later = false;
+  uint64_t fp16_bytes = 0;
+  // The bytes of the stored form: the spans' or `data`'s.
   uint64_t size() const {
     if (spans.empty()) return data.size();
     uint64_t n = 0;
     for (const auto& s : spans) n += s.size();
     return n;
   }
+  // The bytes of the answer: fp16_bytes when decode_later, else size().
+  uint64_t answer_size() const { return decode_later ? fp16_bytes : size(); }
 };
 
 // How BeginRead reads (see there).
@@ -238,6 +247,13 @@ struct ReadOptions {
   // DropCorruptReadBlock. What BeginRead does not read it cannot reject:
   // a corrupt block is then found by the caller, mid-transfer.
   bool caller_verifies = false;
+  // With in_place and format kFp16, on a host arena: a block stored encoded
+  // (fp8, KIVI) is read in place too, as its encoding, with
+  // ReadBlock::decode_later set, rather than decoded into a copy here. The
+  // caller decodes it (layer by layer, kernels::LayerPolicy) where it
+  // delivers it, e.g. straight into a client's memory, and checks it first
+  // as caller_verifies asks (its layer sums are those of the encoding).
+  bool decode_later = false;
   // Who the kept lease belongs to; a pin_lease_id must be this holder's.
   uint32_t holder = 0;
 };
@@ -459,8 +475,10 @@ class Store {
   // from namespace `ns` answers every block in place, copying none: on a
   // host arena, a raw read, or any read of a codec-none namespace (whose
   // fp16 answer is its stored bytes). A data plane reserves staging for
-  // the copies it will hold by this.
-  bool ReadsInPlace(const NamespaceInfo& ns, ReadFormat format) const;
+  // the copies it will hold by this. With `decode_later`
+  // (ReadOptions::decode_later), an fp16 read of an encoded namespace too.
+  bool ReadsInPlace(const NamespaceInfo& ns, ReadFormat format,
+                    bool decode_later = false) const;
 
   // Ends every lease whose deadline is before `now`; returns how many.
   int ExpireLeases(absl::Time now);
@@ -552,8 +570,10 @@ class Store {
   // The one rule for serving a block in place (ReadsInPlace and
   // ReadPinnedBlock both apply it, so staging reserved by the first covers
   // what the second copies): a host arena, and stored bytes that are the
-  // answer as they lie, a raw read or a block stored with codec none.
-  bool InPlace(kernels::Codec stored, ReadFormat format) const;
+  // answer as they lie, a raw read or a block stored with codec none; or
+  // an fp16 read whose caller decodes (ReadOptions::decode_later).
+  bool InPlace(kernels::Codec stored, ReadFormat format,
+               bool decode_later) const;
   // Reads one pinned block into `block` (whose key is set) as `options`
   // asks, with `stored` as scratch. An error answers a failed copy or
   // decode; *verified is the verification's outcome (nothing is decoded

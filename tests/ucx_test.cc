@@ -176,6 +176,7 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     address.pull_writes = info.pull_writes();
     address.message_reads = info.message_reads();
     address.sequenced_data = info.sequenced_data();
+    address.decodes_into_destination = info.decodes_into_destination();
     return address;
   }
 
@@ -188,13 +189,15 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
   // BeginRead over the data plane by hand, for tests that drive the read's
   // transfer themselves: the answer must name the data plane.
   kvcache::v1::BeginReadResponse BeginPlaneRead(
-      const std::string& ns, int first, int n, kvcache::v1::ReadFormat format) {
+      const std::string& ns, int first, int n, kvcache::v1::ReadFormat format,
+      bool decode_into_destination = false) {
     auto stub = kvcache::v1::KvCache::NewStub(
         grpc::CreateChannel(Target(), grpc::InsecureChannelCredentials()));
     kvcache::v1::BeginReadRequest request;
     request.set_namespace_name(ns);
     for (const std::string& k : Keys(first, n)) request.add_keys(k);
     request.set_format(format);
+    request.set_decode_into_destination(decode_into_destination);
     kvcache::v1::BeginReadResponse response;
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
@@ -576,6 +579,208 @@ TEST_P(UcxTest, Fp16ReadsDecodedOnTheClientEqualTheNodesAndMoveRawBytes) {
   ExpectNothingHeld(absl::Seconds(5));
 }
 
+// An fp16 read into a DataBuffer by a client that decodes reads itself
+// (decode_on_client): once a read's status has said that the node maps
+// this client's buffers (shared memory), the client asks the node to decode
+// there (decode_into_destination), and the node decodes each block straight
+// into the buffer, checked in the same pass, with the bytes its decoder
+// gives in BeginRead (every codec, fp16 and bf16 sources, KIVI mixed with
+// its fp16 residual window; whole blocks and layer by layer). Over tcp the
+// node says that it does not map them, and the client goes on reading raw.
+TEST_P(UcxTest, ANodeThatMapsTheDestinationDecodesIntoIt) {
+  std::unique_ptr<Client> node_decodes = NewClient(DataPlane::kUcx, false);
+  const bool shm = !GetParam().tcp();
+  const kernels::BlockShape fp16 = LargeShape();
+  kernels::BlockShape bf16 = fp16;
+  bf16.source_dtype = kernels::SourceDtype::kBf16;
+  constexpr int kBlocks = 6;
+  for (const kernels::BlockShape& shape : {fp16, bf16}) {
+    const size_t block_bytes = kernels::Fp16BlockBytes(shape);
+    const size_t layer_bytes = block_bytes / shape.num_layers;
+    auto buffer = client_->AllocateBuffer(kBlocks * block_bytes);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    for (Codec codec : kernels::kAllCodecs) {
+      const bool bf = shape.source_dtype == kernels::SourceDtype::kBf16;
+      const std::string ns =
+          absl::StrCat("into-", kernels::CodecName(codec), bf ? "-bf16" : "");
+      NamespaceSpec spec = Spec(ns, codec, shape);
+      spec.residual_tokens = 64;  // KIVI: the last 2 blocks of a chain fp16
+      ASSERT_TRUE(client_->RegisterNamespace(spec).ok());
+      std::vector<BlockWrite> writes;
+      for (int i = 0; i < kBlocks; ++i) {
+        data_[i] = RandomBlock(shape, 300 + i);
+        writes.push_back({Key(i), i == 0 ? "" : Key(i - 1), data_[i]});
+      }
+      ASSERT_TRUE(client_->Put(ns, writes).ok());
+      const absl::Time give_up = absl::Now() + absl::Seconds(10);
+      while (node_->store()->Stats().pending_reencodes > 0 &&
+             absl::Now() < give_up) {
+        absl::SleepFor(absl::Milliseconds(10));
+      }
+      auto want = node_decodes->Get(ns, Keys(0, kBlocks), ReadFormat::kFp16);
+      ASSERT_TRUE(want.ok()) << ns << ": " << want.status();
+      uint64_t encoded = 0;
+      for (const BlockData& b : want->blocks) {
+        encoded += b.codec != Codec::kNone ? 1 : 0;
+      }
+      // Round 0 may be the one that tells the client; 1 and 2 are decoded
+      // by the node over shared memory.
+      for (int round = 0; round < 3; ++round) {
+        SCOPED_TRACE(absl::StrCat(ns, " round ", round));
+        std::memset((*buffer)->data(), 0xEE, (*buffer)->size());
+        const ucx::DataPlaneStats before = node_->data_plane()->Stats();
+        ReadOptions options;
+        options.format = ReadFormat::kFp16;
+        options.layer_by_layer = round == 2;
+        auto read = client_->GetInto(ns, Keys(0, kBlocks), options,
+                                     (*buffer)->span(), block_bytes);
+        ASSERT_TRUE(read.ok()) << read.status();
+        if (options.layer_by_layer) {
+          ASSERT_TRUE((*read)->WaitLayer(0).ok());
+          for (int b = 0; b < kBlocks; ++b) {
+            ASSERT_EQ(std::memcmp((*buffer)->data() + b * block_bytes,
+                                  want->blocks[b].bytes.data(), layer_bytes),
+                      0)
+                << "layer 0 of block " << b;
+          }
+        }
+        ASSERT_TRUE((*read)->Wait().ok());
+        for (int b = 0; b < kBlocks; ++b) {
+          EXPECT_EQ((*read)->metadata().blocks[b].format, ReadFormat::kFp16);
+          ASSERT_EQ(std::memcmp((*buffer)->data() + b * block_bytes,
+                                want->blocks[b].bytes.data(), block_bytes),
+                    0)
+              << "block " << b;
+        }
+        const ucx::DataPlaneStats after = node_->data_plane()->Stats();
+        const uint64_t into = after.blocks_decoded_into_destination -
+                              before.blocks_decoded_into_destination;
+        EXPECT_EQ(after.blocks_decoded_at_read_start,
+                  before.blocks_decoded_at_read_start);
+        if (round > 0) {
+          EXPECT_EQ(into, shm ? encoded : 0);
+        }
+      }
+    }
+  }
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
+// decode_into_destination where the node cannot map the destination (tcp;
+// memory a client registered for one read, which UCX's shared memory does
+// not map): the node decodes the encoded blocks into staging when the
+// transfer starts, then sends them as it sends other copies, with the same
+// bytes. A block whose stored bytes were corrupted fails such a read with
+// DATA_LOSS, on either path, and is dropped; nothing is held after.
+TEST_P(UcxTest, ADecodeTheNodeCannotMapGoesThroughStagingAndIsChecked) {
+  const kernels::BlockShape shape = LargeShape();
+  const size_t block_bytes = kernels::Fp16BlockBytes(shape);
+  constexpr int kBlocks = 4;
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("unmapped", Codec::kFp8E4M3, shape))
+          .ok());
+  ASSERT_TRUE(PutChain(client_.get(), "unmapped", shape, 0, kBlocks).ok());
+  std::unique_ptr<Client> node_decodes = NewClient(DataPlane::kUcx, false);
+  auto want = node_decodes->Get("unmapped", Keys(0, kBlocks));
+  ASSERT_TRUE(want.ok()) << want.status();
+  auto plane = ucx::ClientPlane::Create();
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  // Reads blocks [0, kBlocks) by hand into heap memory, asking the node to
+  // decode into it.
+  auto read_by_hand = [&](std::vector<uint8_t>& heap) -> absl::Status {
+    const kvcache::v1::BeginReadResponse response =
+        BeginPlaneRead("unmapped", 0, kBlocks, kvcache::v1::READ_FORMAT_FP16,
+                       /*decode_into_destination=*/true);
+    EXPECT_TRUE(response.data_plane().decodes_into_destination());
+    for (const auto& b : response.blocks()) EXPECT_EQ(b.length(), block_bytes);
+    auto region = (*plane)->Register(heap.data(), heap.size());
+    if (!region.ok()) return region.status();
+    std::shared_ptr<ucx::MemoryRegion> held = *std::move(region);
+    const uint64_t base = reinterpret_cast<uint64_t>(heap.data());
+    std::vector<uint64_t> destinations;
+    for (int b = 0; b < kBlocks; ++b) {
+      destinations.push_back(base + b * block_bytes);
+    }
+    auto token = ucx::TokenFromBytes(response.data_plane().token());
+    if (!token.ok()) return token.status();
+    auto read = (*plane)->StartRead(AddressOf(response.data_plane()),
+                                    response.read_id(), *token, held,
+                                    destinations, shape.num_layers,
+                                    /*per_layer=*/true);
+    if (!read.ok()) return read.status();
+    return (*read)->WaitLayers(shape.num_layers,
+                               absl::Now() + absl::Seconds(20));
+  };
+  std::vector<uint8_t> heap(kBlocks * block_bytes, 0xEE);
+  const ucx::DataPlaneStats before = node_->data_plane()->Stats();
+  ASSERT_TRUE(read_by_hand(heap).ok());
+  for (int b = 0; b < kBlocks; ++b) {
+    ASSERT_EQ(std::memcmp(heap.data() + b * block_bytes,
+                          want->blocks[b].bytes.data(), block_bytes),
+              0)
+        << "block " << b;
+  }
+  const ucx::DataPlaneStats after = node_->data_plane()->Stats();
+  EXPECT_EQ(
+      after.blocks_decoded_at_read_start - before.blocks_decoded_at_read_start,
+      uint64_t{kBlocks});
+  EXPECT_EQ(after.blocks_decoded_into_destination,
+            before.blocks_decoded_into_destination);
+  ExpectNothingHeld(absl::Seconds(5));
+
+  ASSERT_TRUE(node_->store()
+                  ->CorruptBlockForTest("unmapped", Key(2), /*header=*/false,
+                                        block_bytes / 8)
+                  .ok());
+  const absl::Status failed = read_by_hand(heap);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kDataLoss) << failed;
+  EXPECT_TRUE(absl::StrContains(failed.message(), "block 2")) << failed;
+  EXPECT_EQ(node_->store()->Stats().data_loss_events, 1u);
+  EXPECT_EQ(client_->Get("unmapped", Keys(2, 1)).status().code(),
+            absl::StatusCode::kNotFound);
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
+// Over shared memory, a block that fails its check as the node decodes it
+// into the client's buffer fails the read with DATA_LOSS before that
+// block's layer is reported, and is dropped.
+TEST_P(UcxTest, ACorruptBlockDecodedIntoTheDestinationFailsTheRead) {
+  if (GetParam().tcp()) GTEST_SKIP() << "the node maps no buffer over tcp";
+  const kernels::BlockShape shape = LargeShape();
+  const size_t block_bytes = kernels::Fp16BlockBytes(shape);
+  constexpr int kBlocks = 4;
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("mapped", Codec::kFp8E4M3, shape)).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "mapped", shape, 0, kBlocks).ok());
+  auto buffer = client_->AllocateBuffer(kBlocks * block_bytes);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  // The first read tells the client that the node maps its buffers.
+  auto first = client_->GetInto("mapped", Keys(0, kBlocks), ReadFormat::kFp16,
+                                (*buffer)->span(), block_bytes);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE((*first)->Wait().ok());
+  first->reset();
+  ASSERT_TRUE(node_->store()
+                  ->CorruptBlockForTest("mapped", Key(1), /*header=*/false,
+                                        block_bytes / 4)
+                  .ok());
+  const uint64_t into_before =
+      node_->data_plane()->Stats().blocks_decoded_into_destination;
+  auto read = client_->GetInto("mapped", Keys(0, kBlocks), ReadFormat::kFp16,
+                               (*buffer)->span(), block_bytes);
+  ASSERT_TRUE(read.ok()) << read.status();
+  const absl::Status failed = (*read)->Wait();
+  EXPECT_EQ(failed.code(), absl::StatusCode::kDataLoss) << failed;
+  EXPECT_TRUE(absl::StrContains(failed.message(), "block 1")) << failed;
+  EXPECT_GT(node_->data_plane()->Stats().blocks_decoded_into_destination,
+            into_before);
+  EXPECT_EQ(node_->store()->Stats().data_loss_events, 1u);
+  EXPECT_EQ(client_->Get("mapped", Keys(1, 1)).status().code(),
+            absl::StatusCode::kNotFound);
+  read->reset();
+  ExpectNothingHeld(absl::Seconds(5));
+}
+
 // A DataBuffer comes faulted in, as a registration for RDMA would leave it:
 // every page is resident when AllocateBuffer returns, so the first read into
 // it costs no page fault per page of the destination (measured over tcp
@@ -751,7 +956,9 @@ TEST_P(UcxTest, AReadThatIsNotLayerByLayerGoesAsWholeBlocks) {
     ASSERT_TRUE(posted.ok()) << posted.status();
     EXPECT_EQ(*posted, shape.num_layers);
     EXPECT_TRUE(layered == whole);
-    // fp8 blocks travel raw and are decoded here, layer by layer or not.
+    // fp8 blocks travel raw and are decoded here, layer by layer or not;
+    // or, once the node has said that it maps this client's buffers
+    // (shared memory), the node decodes them into the buffer.
     posted = read(clients[c], "whole8", false, &whole);
     ASSERT_TRUE(posted.ok()) << posted.status();
     EXPECT_EQ(*posted, static_cast<uint64_t>(kBlocks));

@@ -76,6 +76,52 @@ TEST(UcxWireTest, ReadStatusAndDataHeadersRoundTripAndRejectBadLengths) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A status of a read asked with kReadFlagReportMapped carries whether the
+// node writes the destination through its own mapping, with or without a
+// message count; flags it does not know, or a count that it says is not
+// one, are refused.
+TEST(UcxWireTest, ReadStatusWithDeliveryRoundTripsAndRejectsUnknownFlags) {
+  ucx::ReadStatusHeader status;
+  status.read_id = 11;
+  status.token = *ucx::NewToken();
+  status.layers_done = 2;
+  status.num_layers = 2;
+  const size_t plain_size = ucx::Encode(status).size();
+  status.has_delivery = true;
+  status.mapped = true;
+  const std::string mapped = ucx::Encode(status);
+  EXPECT_EQ(mapped.size(), plain_size + 8);
+  auto back = ucx::DecodeReadStatus(mapped);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->has_delivery);
+  EXPECT_TRUE(back->mapped);
+  EXPECT_FALSE(back->has_data_messages);
+  EXPECT_EQ(ucx::Encode(*back), mapped);
+
+  status.mapped = false;
+  status.has_data_messages = true;
+  status.data_messages = 40;
+  const std::string counted = ucx::Encode(status);
+  EXPECT_EQ(counted.size(), plain_size + 8);
+  back = ucx::DecodeReadStatus(counted);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->has_delivery);
+  EXPECT_FALSE(back->mapped);
+  EXPECT_TRUE(back->has_data_messages);
+  EXPECT_EQ(back->data_messages, 40u);
+  EXPECT_EQ(ucx::Encode(*back), counted);
+
+  // The flags are the last four bytes, little-endian.
+  std::string unknown = mapped;
+  unknown[unknown.size() - 4] = 4;
+  EXPECT_EQ(ucx::DecodeReadStatus(unknown).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::string uncounted = counted;
+  uncounted[uncounted.size() - 4] = 0;  // a count of 40, "not counted"
+  EXPECT_EQ(ucx::DecodeReadStatus(uncounted).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // The two bytes after the kind are reserved and encoded as zero: a header
 // with anything else there is refused, so that every accepted header is
 // the encoding of what it decodes to (fuzz/regressions/fuzz_wire/).

@@ -79,6 +79,11 @@ constexpr size_t kWritePullBytes =
     kPrefixBytes + 8 + 16 + 4 + 4 + 4 + 8 + 8 + 8;
 constexpr size_t kReadStatusBytes = kPrefixBytes + 8 + 16 + 4 + 4 + 4;
 constexpr size_t kReadStatusCountedBytes = kReadStatusBytes + 4;
+// The form with delivery flags: data_messages (0 when not counted), then
+// the flags below.
+constexpr size_t kReadStatusDeliveryBytes = kReadStatusBytes + 8;
+constexpr uint32_t kDeliveryCounted = 1;
+constexpr uint32_t kDeliveryMapped = 2;
 constexpr size_t kReadDataBytes = kPrefixBytes + 8 + 16 + 4 + 8;
 constexpr size_t kReadDataSequencedBytes = kReadDataBytes + 4;
 // Body parts: a kAmWritePull entry (index u32, address u64), a kAmReadStart
@@ -190,7 +195,13 @@ std::string Encode(const ReadStatusHeader& h) {
   w.U32(h.layers_done);
   w.U32(h.num_layers);
   w.U32(static_cast<uint32_t>(h.code));
-  if (h.has_data_messages) w.U32(h.data_messages);
+  if (h.has_delivery) {
+    w.U32(h.has_data_messages ? h.data_messages : 0);
+    w.U32((h.has_data_messages ? kDeliveryCounted : 0) |
+          (h.mapped ? kDeliveryMapped : 0));
+  } else if (h.has_data_messages) {
+    w.U32(h.data_messages);
+  }
   return w.Take();
 }
 
@@ -268,10 +279,13 @@ absl::StatusOr<ReleaseBufferHeader> DecodeReleaseBuffer(
 
 absl::StatusOr<ReadStatusHeader> DecodeReadStatus(absl::string_view bytes) {
   Reader r(bytes);
+  const bool delivery = bytes.size() == kReadStatusDeliveryBytes;
   const bool counted = bytes.size() == kReadStatusCountedBytes;
-  if (absl::Status s = CheckPrefix(
-          bytes, counted ? kReadStatusCountedBytes : kReadStatusBytes,
-          kAmReadStatus, &r);
+  if (absl::Status s = CheckPrefix(bytes,
+                                   delivery  ? kReadStatusDeliveryBytes
+                                   : counted ? kReadStatusCountedBytes
+                                             : kReadStatusBytes,
+                                   kAmReadStatus, &r);
       !s.ok()) {
     return s;
   }
@@ -284,6 +298,20 @@ absl::StatusOr<ReadStatusHeader> DecodeReadStatus(absl::string_view bytes) {
   if (counted) {
     h.has_data_messages = true;
     h.data_messages = r.U32();
+  }
+  if (delivery) {
+    h.has_delivery = true;
+    h.data_messages = r.U32();
+    const uint32_t flags = r.U32();
+    // Like reserved bytes: an accepted header is the encoding of what it
+    // decodes to.
+    if ((flags & ~(kDeliveryCounted | kDeliveryMapped)) != 0 ||
+        ((flags & kDeliveryCounted) == 0 && h.data_messages != 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("read status with unknown delivery flags ", flags));
+    }
+    h.has_data_messages = (flags & kDeliveryCounted) != 0;
+    h.mapped = (flags & kDeliveryMapped) != 0;
   }
   return h;
 }

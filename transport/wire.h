@@ -157,6 +157,11 @@ inline constexpr uint8_t kReadFlagPerLayer = 1;
 inline constexpr uint8_t kReadFlagBounded = 2;
 inline constexpr uint8_t kReadFlagMessages = 4;
 inline constexpr uint8_t kReadFlagSequenced = 8;
+// The client asks the node to say in each status whether it writes the
+// destination through its own mapping of it (shared memory):
+// ReadStatusHeader::has_delivery. Only to nodes that advertise it
+// (DataPlaneInfo.decodes_into_destination); others refuse unknown flags.
+inline constexpr uint8_t kReadFlagReportMapped = 16;
 
 struct ReleaseBufferHeader {
   uint64_t buffer_id = 0;
@@ -179,6 +184,11 @@ struct ReadStatusHeader {
   // status.
   bool has_data_messages = false;
   uint32_t data_messages = 0;
+  // Reads asked with kReadFlagReportMapped only (the header is 8 bytes
+  // longer then, whether or not it counts data messages): whether the node
+  // writes this read's destination through its own mapping of it.
+  bool has_delivery = false;
+  bool mapped = false;
 };
 
 struct ReadDataHeader {

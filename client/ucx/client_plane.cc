@@ -165,6 +165,7 @@ struct ClientPlane::ReadState {
   // Set before the read starts, then read-only: where data messages
   // (kAmReadData) may land.
   std::string token;                   // TokenBytes of the read's token
+  std::string node_key;                // NodeAddress::key of its node
   std::vector<uint64_t> destinations;  // per block
   uint64_t region_base = 0;
   uint64_t region_size = 0;
@@ -574,7 +575,8 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   h.flags = (per_layer ? kReadFlagPerLayer : 0) |
             (address.bounded_reads ? kReadFlagBounded : 0) |
             (address.message_reads ? kReadFlagMessages : 0) |
-            (sequenced ? kReadFlagSequenced : 0);
+            (sequenced ? kReadFlagSequenced : 0) |
+            (address.decodes_into_destination ? kReadFlagReportMapped : 0);
   h.buffer_id = buffer_id;
   ReadStartBody body;
   body.remote_key = *rkey;
@@ -590,6 +592,7 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   state->region_size = region->size();
   state->memh = region->memh();
   state->sequenced = sequenced;
+  state->node_key = address.key();
   std::string token_bytes = TokenBytes(token);
   state->token = token_bytes;
   bool posted = loop_->Post([this, address, token_bytes, state,
@@ -653,6 +656,10 @@ ucs_status_t ClientPlane::OnReadStatus(
   std::shared_ptr<ReadState> state = self->FindRead(token);
   if (state == nullptr) return UCS_OK;
   const absl::string_view message(static_cast<const char*>(data), length);
+  if (h->code == 0 && h->has_delivery) {
+    MutexLock lock(&self->maps_mu_);
+    self->maps_destinations_[state->node_key] = h->mapped;
+  }
   if (h->code == 0) {
     absl::StatusOr<bool> news = AcceptStatus(*state, *h);
     if (!news.ok()) {
@@ -851,6 +858,14 @@ void ClientPlane::EndRead(const std::string& token, uint32_t layers_done,
   loop_->AddBusy(-1);
   state->Update(layers_done, /*done=*/true, status);
   DetachWhenReceived(state, status);
+}
+
+std::optional<bool> ClientPlane::MapsDestinations(
+    const std::string& node_key) const {
+  MutexLock lock(&maps_mu_);
+  auto it = maps_destinations_.find(node_key);
+  if (it == maps_destinations_.end()) return std::nullopt;
+  return it->second;
 }
 
 ClientPlane::Read::~Read() { SettleOrClose().IgnoreError(); }

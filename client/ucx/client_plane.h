@@ -30,15 +30,18 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "base/mutex.h"
 #include "kvcache/call_options.h"
 #include "transport/handles.h"
 #include "transport/tcp_segments.h"
@@ -64,6 +67,11 @@ struct NodeAddress {
   // And numbers them in its send order (DataPlaneInfo.sequenced_data):
   // reads ask for that (kReadFlagSequenced).
   bool sequenced_data = false;
+  // The node decodes fp16 reads into a destination it maps and says
+  // whether it maps a read's destination
+  // (DataPlaneInfo.decodes_into_destination): reads ask it to say
+  // (kReadFlagReportMapped), see MapsDestinations.
+  bool decodes_into_destination = false;
   // The node's UCX TCP segment sizes (DataPlaneInfo.tcp_*_seg_bytes; zero:
   // no TCP, or a node that does not say). A node whose sizes and this
   // process's would abort one side is not connected to: UNAVAILABLE.
@@ -151,6 +159,12 @@ class ClientPlane {
       const std::vector<uint64_t>& destinations, uint32_t num_layers,
       bool per_layer, uint64_t buffer_id = 0);
 
+  // What the last successful read from the node of `node_key`
+  // (NodeAddress::key) that asked (decodes_into_destination) heard: whether
+  // the node wrote its destination through its own mapping of it (shared
+  // memory, into a DataBuffer); nullopt before any such read.
+  std::optional<bool> MapsDestinations(const std::string& node_key) const;
+
   // Tells every connected node to drop the key it kept for `buffer_id`
   // (best effort; a connection's end drops it too). Does not wait.
   void ReleaseBuffer(uint64_t buffer_id);
@@ -220,6 +234,10 @@ class ClientPlane {
   absl::flat_hash_map<std::string, std::string> read_connection_;
   uint64_t next_connection_id_ = 1;
   std::string worker_address_;  // set once by InstallHandlers
+  // MapsDestinations: by node key, written on the loop thread.
+  mutable Mutex maps_mu_;
+  absl::flat_hash_map<std::string, bool> maps_destinations_
+      ABSL_GUARDED_BY(maps_mu_);
 };
 
 // A read in progress: the node puts into the region and reports layers.

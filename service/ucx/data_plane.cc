@@ -134,6 +134,16 @@ struct DataPlane::WriteSession {
   absl::Time commit_deadline = absl::InfiniteFuture();
 };
 
+// How a read decodes the blocks the store left encoded for it
+// (ReadBlock::decode_later): every such block has the namespace's policy
+// (a block kept fp16 is never left to decode).
+struct DataPlane::LayerDecoding {
+  kernels::BlockShape layer_shape;  // the namespace's, one layer
+  std::vector<kernels::CodecPolicy> layer_policies;
+  std::vector<size_t> offsets;  // EncodedLayerOffsets: num_layers + 1
+  uint64_t fp16_layer_bytes = 0;
+};
+
 struct DataPlane::ReadSession {
   enum class State { kWaiting, kTransferring, kDone };
   uint64_t id = 0;  // the store's read lease; never changes
@@ -186,6 +196,16 @@ struct DataPlane::ReadSession {
   std::vector<uint32_t> slice_checks_left;
   uint32_t slices_checked = 0;
   uint32_t slices_check_started = 0;
+  // Asked with kReadFlagReportMapped: every status says whether `mapped`.
+  bool report_mapped = false;
+  // Blocks the store left encoded for this read to decode
+  // (ReadBlock::decode_later): how, set at ReadStart; pool tasks read it.
+  std::shared_ptr<const LayerDecoding> decoding;
+  // Where the destination is not mapped, those blocks are decoded into
+  // copies first (DecodeThenSend): the tasks still running, and the
+  // copies' staging.
+  uint32_t decodes_left = 0;
+  StagingReservation decode_reservation;
   // Set when the read ends (FinishRead); pool threads read it (they hold
   // the session): copies not yet begun are skipped.
   std::atomic<bool> stop_copies{false};
@@ -400,6 +420,8 @@ DataPlaneStats DataPlane::Stats() const {
   s.prefaulted_buffer_bytes = prefaulted_buffer_bytes_.load();
   s.message_reads = message_reads_.load();
   s.copied_reads = copied_reads_.load();
+  s.blocks_decoded_into_destination = blocks_decoded_into_destination_.load();
+  s.blocks_decoded_at_read_start = blocks_decoded_at_read_start_.load();
   s.reads_checked_while_copying = reads_checked_while_copying_.load();
   s.reads_checked_before_sending = reads_checked_before_sending_.load();
   s.read_slices_posted = read_slices_posted_.load();
@@ -431,8 +453,8 @@ std::vector<std::vector<uint64_t>> DataPlane::LayerEnds(
           kernels::EncodedLayerOffsets(shape, policy);
       ends.assign(offsets.begin() + 1, offsets.end());
     }
-    if (ends.empty() || ends.back() != block.size()) {
-      ends = {block.size()};  // layers not separable: one slice
+    if (ends.empty() || ends.back() != block.answer_size()) {
+      ends = {block.answer_size()};  // layers not separable: one slice
     }
     all.push_back(std::move(ends));
   }
@@ -1149,7 +1171,7 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
   }
   const size_t blocks = session->result.blocks.size();
   if ((h->flags & ~(kReadFlagPerLayer | kReadFlagBounded | kReadFlagMessages |
-                    kReadFlagSequenced)) != 0) {
+                    kReadFlagSequenced | kReadFlagReportMapped)) != 0) {
     FinishRead(session, absl::InvalidArgumentError(absl::StrCat(
                             "read request with unknown flags ", h->flags)));
     return;
@@ -1171,7 +1193,7 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
     // client's segment, which UCX does not bound: a destination outside the
     // region would be written outside that mapping.
     for (size_t i = 0; i < blocks; ++i) {
-      const uint64_t size = session->result.blocks[i].size();
+      const uint64_t size = session->result.blocks[i].answer_size();
       if (!RegionContains(body->region_base, body->region_length, remote[i],
                           size)) {
         FinishRead(session, absl::InvalidArgumentError(absl::StrCat(
@@ -1205,6 +1227,7 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
                            !PutsAreNative(conn, *session->rkey, remote[0]);
   if (by_messages) message_reads_.fetch_add(1);
   session->sequenced = (h->flags & kReadFlagSequenced) != 0;
+  session->report_mapped = (h->flags & kReadFlagReportMapped) != 0;
   StartPuts(session, conn, std::move(remote),
             (h->flags & kReadFlagPerLayer) != 0, by_messages);
 }
@@ -1249,9 +1272,28 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
   session->slice_bytes.assign(session->slices, 0);
   session->slices_checked = session->slices;  // unless CheckThenPost
   if (!by_messages) MapDestinations(*session);
+  session->decoding = PlanDecoding(session->result);
+  if (session->decoding != nullptr) {
+    uint64_t left_encoded = 0;
+    for (const store::ReadBlock& block : session->result.blocks) {
+      left_encoded += block.decode_later ? 1 : 0;
+    }
+    (session->mapped.empty() ? blocks_decoded_at_read_start_
+                             : blocks_decoded_into_destination_)
+        .fetch_add(left_encoded);
+    if (session->mapped.empty()) {
+      DecodeThenSend(session);
+      return;
+    }
+  }
+  CheckAndSend(session, DecodesCheck(session->result));
+}
+
+void DataPlane::CheckAndSend(const std::shared_ptr<ReadSession>& session,
+                             bool checked_in_decodes) {
   bool unchecked = false;
   for (const store::ReadBlock& block : session->result.blocks) {
-    unchecked = unchecked || !block.unchecked_layer_sums.empty();
+    unchecked = unchecked || NeedsCheck(block);
   }
   if (unchecked && !session->mapped.empty() && ChecksFollowSlices(*session)) {
     session->check_in_copies = true;
@@ -1260,6 +1302,10 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
     reads_checked_before_sending_.fetch_add(1);
     CheckThenPost(session);
     return;
+  } else if (checked_in_decodes) {
+    (session->mapped.empty() ? reads_checked_before_sending_
+                             : reads_checked_while_copying_)
+        .fetch_add(1);
   }
   PostNextSlices(session);
 }
@@ -1268,6 +1314,7 @@ bool DataPlane::ChecksFollowSlices(const ReadSession& session) {
   for (uint32_t slice = 0; slice < session.slices; ++slice) {
     const auto [first, last] = SliceBlocks(session, slice);
     for (size_t b = first; b < last; ++b) {
+      if (!NeedsCheck(session.result.blocks[b])) continue;
       const std::vector<uint64_t>& ends =
           session.result.blocks[b].unchecked_layer_ends;
       auto on_bound = [&](uint64_t at) {
@@ -1345,7 +1392,7 @@ void DataPlane::StartChecks(const std::shared_ptr<ReadSession>& session,
     const store::ReadBlock& block = session->result.blocks[b];
     const std::vector<uint64_t>& ends = block.unchecked_layer_ends;
     uint64_t start = 0, end = block.size();
-    if (ends.empty() ||
+    if (!NeedsCheck(block) ||
         (!whole_blocks && !SliceRange(*session, slice, b, &start, &end))) {
       continue;
     }
@@ -1426,7 +1473,7 @@ void DataPlane::FailCorrupt(ReadSession& session, size_t block,
 void DataPlane::MapDestinations(ReadSession& session) {
   std::vector<uint8_t*> mapped;
   for (size_t b = 0; b < session.result.blocks.size(); ++b) {
-    const uint64_t size = session.result.blocks[b].size();
+    const uint64_t size = session.result.blocks[b].answer_size();
     uint8_t* at = MappedRange(*session.rkey, session.remote[b], size);
     if (size != 0 && at == nullptr) return;  // not mapped here: UCX puts
     mapped.push_back(at);
@@ -1502,7 +1549,7 @@ std::pair<size_t, size_t> DataPlane::SliceBlocks(const ReadSession& session,
 
 bool DataPlane::SliceRange(const ReadSession& session, uint32_t slice, size_t b,
                            uint64_t* start, uint64_t* end) {
-  const uint64_t size = session.result.blocks[b].size();
+  const uint64_t size = session.result.blocks[b].answer_size();
   const std::vector<uint64_t>& ends = session.layer_ends[b];
   *start = 0;
   *end = size;
@@ -1610,7 +1657,11 @@ void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
   // Tasks of about kCopyTaskBytes, so that a large slice is copied by
   // several pool threads at once; a task ends only between blocks, so that
   // each checked layer is hashed by one task.
-  std::vector<std::vector<CopyPiece>> tasks(1);
+  struct Task {
+    std::vector<CopyPiece> pieces;
+    std::vector<DecodeUnit> decodes;
+  };
+  std::vector<Task> tasks(1);
   uint64_t task_bytes = 0;
   const auto [first_block, end_block] = SliceBlocks(*session, slice);
   for (size_t b = first_block; b < end_block; ++b) {
@@ -1620,13 +1671,23 @@ void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
       tasks.emplace_back();
       task_bytes = 0;
     }
-    std::vector<CopyPiece>& pieces = tasks.back();
+    std::vector<CopyPiece>& pieces = tasks.back().pieces;
     const store::ReadBlock& block = session->result.blocks[b];
     auto add = [&](const uint8_t* src, uint64_t length, uint64_t offset) {
       pieces.push_back({session->mapped[b] + offset, src, length});
     };
     task_bytes += end - start;
     session->slice_bytes[slice] += end - start;
+    if (block.decode_later) {
+      // Slices of a decoded block are whole fp16 layers (LayerEnds).
+      const uint64_t layer_bytes = session->decoding->fp16_layer_bytes;
+      for (uint64_t at = start; at < end; at += layer_bytes) {
+        tasks.back().decodes.push_back({b,
+                                        static_cast<uint32_t>(at / layer_bytes),
+                                        session->mapped[b] + at});
+      }
+      continue;
+    }
     if (!session->check_in_copies || block.unchecked_layer_sums.empty()) {
       ForEachPieceOf(block, start, end, add);
       continue;
@@ -1646,22 +1707,29 @@ void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
       last.expected = block.unchecked_layer_sums[l];
     }
   }
-  for (std::vector<CopyPiece>& pieces : tasks) {
-    if (pieces.empty()) continue;
+  for (Task& task : tasks) {
+    if (task.pieces.empty() && task.decodes.empty()) continue;
     ++session->outstanding;
     ++session->slice_sends[slice];
     loop_->AddBusy(1);
-    executor_([this, session, slice, pieces = std::move(pieces)] {
+    executor_([this, session, slice, task = std::move(task)] {
       bool stopped = false;
-      const std::optional<std::pair<size_t, uint32_t>> corrupt =
-          CopyAndCheck(pieces, session->stop_copies, &stopped);
+      std::optional<std::pair<size_t, uint32_t>> corrupt =
+          CopyAndCheck(task.pieces, session->stop_copies, &stopped);
+      absl::Status decoded;
+      if (!corrupt && !stopped) {
+        decoded =
+            DecodeUnits(*session, task.decodes,
+                        kernels::DecodeStores::kStreaming, &corrupt, &stopped);
+      }
       // The copies are in the client's memory before the loop thread can
       // report them.
       StreamCopyFence();
-      loop_->Post([this, session, slice, stopped, corrupt] {
+      loop_->Post([this, session, slice, stopped, corrupt, decoded] {
         loop_->AddBusy(-1);
         --session->outstanding;
         if (corrupt) FailCorrupt(*session, corrupt->first, corrupt->second);
+        if (!decoded.ok() && session->error.ok()) session->error = decoded;
         if (stopped && session->error.ok()) {
           session->error = absl::AbortedError("the read ended early");
         }
@@ -1670,6 +1738,163 @@ void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
       });
     });
   }
+}
+
+bool DataPlane::NeedsCheck(const store::ReadBlock& block) {
+  return !block.unchecked_layer_sums.empty() && !block.decode_later;
+}
+
+std::shared_ptr<const DataPlane::LayerDecoding> DataPlane::PlanDecoding(
+    const store::ReadResult& result) {
+  const bool any =
+      std::any_of(result.blocks.begin(), result.blocks.end(),
+                  [](const store::ReadBlock& b) { return b.decode_later; });
+  if (!any) return nullptr;
+  const kernels::BlockShape& shape = result.ns.config.shape;
+  auto plan = std::make_shared<LayerDecoding>();
+  plan->layer_shape = shape;
+  plan->layer_shape.num_layers = 1;
+  for (uint32_t l = 0; l < shape.num_layers; ++l) {
+    plan->layer_policies.push_back(
+        kernels::LayerPolicy(shape, result.ns.config.policy, l));
+  }
+  plan->offsets = kernels::EncodedLayerOffsets(shape, result.ns.config.policy);
+  plan->fp16_layer_bytes = result.ns.fp16_block_bytes / shape.num_layers;
+  return plan;
+}
+
+absl::Status DataPlane::DecodeUnits(
+    const ReadSession& session, absl::Span<const DecodeUnit> units,
+    kernels::DecodeStores stores,
+    std::optional<std::pair<size_t, uint32_t>>* corrupt, bool* stopped) {
+  const LayerDecoding& plan = *session.decoding;
+  // A layer that crosses page runs is gathered here first (a layer's
+  // encoding is small enough to stay in the cache for its decode).
+  static thread_local std::vector<uint8_t> gathered;
+  for (const DecodeUnit& unit : units) {
+    if (session.stop_copies.load(std::memory_order_relaxed)) {
+      *stopped = true;
+      return absl::OkStatus();
+    }
+    const store::ReadBlock& block = session.result.blocks[unit.block];
+    const uint32_t l = unit.layer;
+    const uint64_t lo = plan.offsets[l];
+    const uint64_t hi = plan.offsets[l + 1];
+    const uint8_t* src = nullptr;
+    int pieces = 0;
+    ForEachPieceOf(block, lo, hi,
+                   [&](const uint8_t* piece, uint64_t, uint64_t) {
+                     if (pieces++ == 0) src = piece;
+                   });
+    if (pieces > 1) {
+      gathered.resize(hi - lo);
+      ForEachPieceOf(block, lo, hi,
+                     [&](const uint8_t* piece, uint64_t n, uint64_t at) {
+                       std::memcpy(gathered.data() + (at - lo), piece, n);
+                     });
+      src = gathered.data();
+    }
+    const absl::Span<const uint8_t> encoded(src, hi - lo);
+    // The stored bytes are checked before anything is decoded from them:
+    // what the client gets is the decode of what was written.
+    if (!block.unchecked_layer_sums.empty() &&
+        XXH3_64bits(encoded.data(), encoded.size()) !=
+            block.unchecked_layer_sums[l]) {
+      corrupt->emplace(unit.block, l);
+      return absl::OkStatus();
+    }
+    absl::Status st = kernels::DecodeBlock(
+        plan.layer_shape, plan.layer_policies[l], encoded,
+        absl::MakeSpan(reinterpret_cast<uint16_t*>(unit.out),
+                       plan.fp16_layer_bytes / 2),
+        stores);
+    if (!st.ok()) {
+      return absl::InternalError(absl::StrCat("block ", unit.block, ", layer ",
+                                              l, ": ", st.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void DataPlane::DecodeThenSend(const std::shared_ptr<ReadSession>& session) {
+  // Not mapped here (TCP, RDMA): the blocks left encoded are decoded into
+  // copies, which then go as those decoded in BeginRead do.
+  uint64_t bytes = 0;
+  for (const store::ReadBlock& block : session->result.blocks) {
+    if (block.decode_later) bytes += block.fp16_bytes;
+  }
+  absl::StatusOr<StagingReservation> reserved = ReserveStaging(bytes);
+  if (!reserved.ok()) {
+    FinishRead(session, reserved.status());
+    return;
+  }
+  session->decode_reservation = *std::move(reserved);
+  std::vector<std::vector<DecodeUnit>> tasks(1);
+  uint64_t task_bytes = 0;
+  const LayerDecoding& plan = *session->decoding;
+  for (size_t b = 0; b < session->result.blocks.size(); ++b) {
+    store::ReadBlock& block = session->result.blocks[b];
+    if (!block.decode_later) continue;
+    if (task_bytes >= kCopyTaskBytes) {
+      tasks.emplace_back();
+      task_bytes = 0;
+    }
+    block.data.resize(block.fp16_bytes);
+    auto* out = reinterpret_cast<uint8_t*>(block.data.data());
+    for (uint32_t l = 0; l + 1 < plan.offsets.size(); ++l) {
+      tasks.back().push_back({b, l, out + uint64_t{l} * plan.fp16_layer_bytes});
+    }
+    task_bytes += block.fp16_bytes;
+  }
+  for (std::vector<DecodeUnit>& units : tasks) {
+    ++session->outstanding;
+    ++session->decodes_left;
+    loop_->AddBusy(1);
+    executor_([this, session, units = std::move(units)] {
+      std::optional<std::pair<size_t, uint32_t>> corrupt;
+      bool stopped = false;
+      const absl::Status decoded = DecodeUnits(
+          *session, units, kernels::DecodeStores::kCached, &corrupt, &stopped);
+      loop_->Post([this, session, corrupt, decoded, stopped] {
+        loop_->AddBusy(-1);
+        --session->outstanding;
+        --session->decodes_left;
+        if (corrupt) FailCorrupt(*session, corrupt->first, corrupt->second);
+        if (!decoded.ok() && session->error.ok()) session->error = decoded;
+        if (stopped && session->error.ok()) {
+          session->error = absl::AbortedError("the read ended early");
+        }
+        if (session->decodes_left == 0 && !session->finished) {
+          if (!session->error.ok()) {
+            FinishRead(session, session->error);
+          } else {
+            SendDecoded(session);
+          }
+        }
+        ReleaseIfIdle(*session);
+      });
+    });
+  }
+}
+
+bool DataPlane::DecodesCheck(const store::ReadResult& result) {
+  return std::any_of(result.blocks.begin(), result.blocks.end(),
+                     [](const store::ReadBlock& b) {
+                       return b.decode_later && !b.unchecked_layer_sums.empty();
+                     });
+}
+
+void DataPlane::SendDecoded(const std::shared_ptr<ReadSession>& session) {
+  const bool checked = DecodesCheck(session->result);
+  for (store::ReadBlock& block : session->result.blocks) {
+    if (!block.decode_later) continue;
+    // Checked and decoded: the copy is the answer now.
+    block.spans.clear();
+    block.unchecked_layer_ends.clear();
+    block.unchecked_layer_sums.clear();
+    block.decode_later = false;
+  }
+  CheckAndSend(session, checked);
 }
 
 void DataPlane::ReportCopiedSlices(
@@ -1697,7 +1922,8 @@ void DataPlane::ReportCopiedSlices(
         session->per_layer ? session->slices_reported : session->num_layers;
     session->layers_done = layers_done;
     SendReadStatus(session->send_conn, session->id, session->token, layers_done,
-                   session->num_layers, absl::OkStatus(), std::nullopt);
+                   session->num_layers, absl::OkStatus(), std::nullopt,
+                   Delivery(*session));
     if (layers_done == session->num_layers) {
       FinishRead(session, absl::OkStatus());
     }
@@ -1727,7 +1953,8 @@ void DataPlane::PostSlice(const std::shared_ptr<ReadSession>& session,
     // numbers. So a layer's status follows its messages at once.
     session->layers_done = layers_done;
     SendReadStatus(conn.id, session->id, session->token, layers_done,
-                   num_layers, absl::OkStatus(), data_messages);
+                   num_layers, absl::OkStatus(), data_messages,
+                   Delivery(*session));
     return;
   }
   FlushAndReport(session, conn, layers_done, data_messages);
@@ -1813,7 +2040,8 @@ void DataPlane::FlushAndReport(const std::shared_ptr<ReadSession>& session,
         }
         session->layers_done = layers_done;
         SendReadStatus(conn_id, session->id, session->token, layers_done,
-                       num_layers, absl::OkStatus(), data_messages);
+                       num_layers, absl::OkStatus(), data_messages,
+                       Delivery(*session));
         if (layers_done == num_layers) FinishRead(session, absl::OkStatus());
       });
 }
@@ -1821,7 +2049,8 @@ void DataPlane::FlushAndReport(const std::shared_ptr<ReadSession>& session,
 void DataPlane::SendReadStatus(uint64_t conn_id, uint64_t read_id,
                                const Token& token, uint32_t layers_done,
                                uint32_t num_layers, const absl::Status& status,
-                               std::optional<uint32_t> data_messages) {
+                               std::optional<uint32_t> data_messages,
+                               std::optional<bool> mapped) {
   auto it = connections_.find(conn_id);
   if (it == connections_.end()) return;
   ReadStatusHeader h;
@@ -1832,6 +2061,8 @@ void DataPlane::SendReadStatus(uint64_t conn_id, uint64_t read_id,
   h.code = static_cast<int32_t>(status.code());
   h.has_data_messages = data_messages.has_value();
   h.data_messages = data_messages.value_or(0);
+  h.has_delivery = mapped.has_value();
+  h.mapped = mapped.value_or(false);
   std::string header = Encode(h);
   const size_t header_size = header.size();
   const ucp_ep_h ep = it->second->out().get();
@@ -1840,6 +2071,11 @@ void DataPlane::SendReadStatus(uint64_t conn_id, uint64_t read_id,
   loop_->AddBusy(1);
   SendEagerAm(ep, kAmReadStatus, std::move(keep), header_size,
               [this](absl::Status) { loop_->AddBusy(-1); });
+}
+
+std::optional<bool> DataPlane::Delivery(const ReadSession& session) {
+  if (!session.report_mapped) return std::nullopt;
+  return !session.mapped.empty();
 }
 
 void DataPlane::FinishRead(const std::shared_ptr<ReadSession>& session,
@@ -1857,11 +2093,12 @@ void DataPlane::FinishRead(const std::shared_ptr<ReadSession>& session,
   }
   if (!status.ok()) {
     SendReadStatus(conn_id, session->id, session->token, session->layers_done,
-                   session->num_layers, status);
+                   session->num_layers, status, std::nullopt,
+                   Delivery(*session));
   } else if (observer_) {
     uint64_t bytes = 0;
     for (const store::ReadBlock& b : session->result.blocks) {
-      bytes += b.size();
+      bytes += b.answer_size();
     }
     observer_(/*inbound=*/false, bytes);
   }
@@ -1879,6 +2116,7 @@ void DataPlane::ReleaseIfIdle(ReadSession& session) {
   session.result.blocks.clear();
   session.result.blocks.shrink_to_fit();
   session.reservation = StagingReservation();
+  session.decode_reservation = StagingReservation();
 }
 
 // ----------------------------------------------------------- connections

@@ -105,7 +105,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "base/mutex.h"
+#include "kernels/codec.h"
 #include "service/ucx/staging.h"
 #include "store/lease_claim.h"
 #include "store/store.h"
@@ -182,10 +184,18 @@ struct DataPlaneStats {
   // its worker pool, rather than by UCX puts on its progress thread, since
   // the start.
   uint64_t copied_reads = 0;
+  // Blocks an fp16 read asked the node to decode in the client's memory
+  // (BeginReadRequest.decode_into_destination), since the start: decoded
+  // straight into the client's buffer that the node maps, in the pass that
+  // checks them; or, where it did not map it, into staging at ReadStart
+  // and then sent.
+  uint64_t blocks_decoded_into_destination = 0;
+  uint64_t blocks_decoded_at_read_start = 0;
   // Of the blocks the store handed over unchecked (their layers' checksums
   // to be checked here, store::ReadOptions::caller_verifies), the reads
-  // whose checks ran in the pass that copies them (copied reads) and those
-  // checked before their first send, since the start.
+  // whose checks ran in the pass that copies or decodes them into a client
+  // buffer the node maps (copied reads) and those checked before their
+  // first send, since the start.
   uint64_t reads_checked_while_copying = 0;
   uint64_t reads_checked_before_sending = 0;
   // Slices of reads posted, since the start: a read sent layer by layer
@@ -307,6 +317,14 @@ class DataPlane {
   struct Connection;
   struct WriteSession;
   struct ReadSession;
+  struct LayerDecoding;
+  // Layer `layer` of block `block` (ReadBlock::decode_later), decoded into
+  // `out`.
+  struct DecodeUnit {
+    size_t block;
+    uint32_t layer;
+    uint8_t* out;
+  };
 
   DataPlane(DataPlaneOptions options, store::Store* store, Executor executor,
             TransferObserver observer, std::shared_ptr<StagingBudget> budget);
@@ -458,6 +476,34 @@ class DataPlane {
   // and reports it once copied
   // (ReportCopiedSlices) instead of after a flush.
   void MapDestinations(ReadSession& session);
+  // Whether `block` has layers the data plane checks before it sends them
+  // as they lie (a block left to decode is checked as it is decoded).
+  static bool NeedsCheck(const store::ReadBlock& block);
+  // How the read decodes the blocks the store left encoded for it; null
+  // when there is none.
+  static std::shared_ptr<const LayerDecoding> PlanDecoding(
+      const store::ReadResult& result);
+  // Pool thread: checks each unit's layer of stored bytes against its sum
+  // (where the store left that to the read), then decodes it into
+  // unit.out with `stores`. A mismatch sets *corrupt and stops; so does
+  // the read's end (*stopped). An error: a decode that failed.
+  static absl::Status DecodeUnits(
+      const ReadSession& session, absl::Span<const DecodeUnit> units,
+      kernels::DecodeStores stores,
+      std::optional<std::pair<size_t, uint32_t>>* corrupt, bool* stopped);
+  // The blocks left encoded, where the destination is not mapped: decoded
+  // into copies (staging reserved now; RESOURCE_EXHAUSTED ends the read)
+  // on the worker pool, then sent as other copies are (SendDecoded).
+  void DecodeThenSend(const std::shared_ptr<ReadSession>& session);
+  void SendDecoded(const std::shared_ptr<ReadSession>& session);
+  // Whether the decodes of `result`'s blocks left encoded check layers
+  // (ReadBlock::unchecked_layer_sums), counted as the read's checks.
+  static bool DecodesCheck(const store::ReadResult& result);
+  // StartPuts' second half: checks what needs it, then posts the slices.
+  // checked_in_decodes: the read's decodes checked (or check) its blocks
+  // left encoded, counted in reads_checked_* when nothing else is.
+  void CheckAndSend(const std::shared_ptr<ReadSession>& session,
+                    bool checked_in_decodes);
   // Copies `slice` on the worker pool, in tasks of about kCopyTaskBytes;
   // with session.check_in_copies each task also checksums each layer it
   // copies, from the source just read, and a layer that does not match
@@ -475,11 +521,15 @@ class DataPlane {
   // flush that reported the read (ucp_ep_flush_nbx does not wait for it).
   void ReleaseIfIdle(ReadSession& session);
   // data_messages: for a read delivered by kAmReadData, the messages sent
-  // before this status (ReadStatusHeader::data_messages).
+  // before this status (ReadStatusHeader::data_messages). mapped: for a
+  // read asked with kReadFlagReportMapped, whether the node writes its
+  // destination through its own mapping (Delivery).
   void SendReadStatus(uint64_t conn_id, uint64_t read_id, const Token& token,
                       uint32_t layers_done, uint32_t num_layers,
                       const absl::Status& status,
-                      std::optional<uint32_t> data_messages = std::nullopt);
+                      std::optional<uint32_t> data_messages = std::nullopt,
+                      std::optional<bool> mapped = std::nullopt);
+  static std::optional<bool> Delivery(const ReadSession& session);
 
   // Takes the session out of the table and runs or schedules its end: the
   // store commit (all landed), or abort + error. Returns work to run after
@@ -569,6 +619,8 @@ class DataPlane {
   std::atomic<uint64_t> blocks_received_in_place_{0};
   std::atomic<uint64_t> message_reads_{0};
   std::atomic<uint64_t> copied_reads_{0};
+  std::atomic<uint64_t> blocks_decoded_into_destination_{0};
+  std::atomic<uint64_t> blocks_decoded_at_read_start_{0};
   std::atomic<uint64_t> reads_checked_while_copying_{0};
   std::atomic<uint64_t> reads_checked_before_sending_{0};
   std::atomic<uint64_t> read_slices_posted_{0};

@@ -161,6 +161,8 @@ DataPlaneStats DataPlanes::Stats() const {
     sum.blocks_received_in_place += s.blocks_received_in_place;
     sum.message_reads += s.message_reads;
     sum.copied_reads += s.copied_reads;
+    sum.blocks_decoded_into_destination += s.blocks_decoded_into_destination;
+    sum.blocks_decoded_at_read_start += s.blocks_decoded_at_read_start;
     sum.reads_checked_while_copying += s.reads_checked_while_copying;
     sum.reads_checked_before_sending += s.reads_checked_before_sending;
     sum.read_slices_posted += s.read_slices_posted;
