@@ -97,6 +97,10 @@ struct ClientOptions {
   // implementation). GetInto lands the encoding in a pooled DataBuffer of
   // this client and decodes layer l into the caller's memory when layer l
   // is waited for (PendingRead::WaitLayer, Wait), on the waiting thread.
+  // Except where the node writes into this client's memory itself (shared
+  // memory, which a read's status reports): a GetInto into a DataBuffer
+  // then asks that node to decode straight into it, in the pass that
+  // checks the stored bytes, with no landing buffer (docs/client.md).
   // false: the node decodes and fp16 travels.
   bool decode_on_client = true;
 };
