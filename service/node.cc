@@ -78,10 +78,14 @@ absl::Status Node::Start() {
 }
 
 absl::Status Node::StartDataPlane() {
+  background_ = std::make_unique<ThreadPool>(1);
   absl::StatusOr<std::unique_ptr<ucx::DataPlanes>> plane =
       ucx::DataPlanes::Start(
           options_.ucx, store_.get(),
           [pool = workers_.get()](std::function<void()> work) {
+            pool->Schedule(std::move(work));
+          },
+          [pool = background_.get()](std::function<void()> work) {
             pool->Schedule(std::move(work));
           },
           [metrics = metrics_.get()](bool inbound, uint64_t bytes) {
@@ -266,6 +270,7 @@ void Node::Drain(absl::Duration notice) {
     metrics_->SetDataPlaneSource(nullptr);  // the plane goes before metrics
   }
   workers_.reset();  // runs what is queued; every reactor has finished
+  background_.reset();  // a prefault under way stops at its next step
   if (health_server_ != nullptr) {
     health_server_->Shutdown(std::chrono::system_clock::now());
     health_server_->Wait();

@@ -116,6 +116,10 @@ class Node {
   std::string last_tenants_error_;  // reaper thread only
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ThreadPool> workers_;
+  // One thread for the data plane's long background work (faulting in its
+  // mappings of clients' buffers), which must not queue ahead of reads'
+  // copies on workers_.
+  std::unique_ptr<ThreadPool> background_;
   std::unique_ptr<ucx::DataPlanes> data_plane_;
   std::unique_ptr<KvCacheServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;

@@ -216,11 +216,13 @@ struct DataPlane::ReadSession {
 // ------------------------------------------------------------- lifecycle
 
 DataPlane::DataPlane(DataPlaneOptions options, store::Store* store,
-                     Executor executor, TransferObserver observer,
+                     Executor executor, Executor background,
+                     TransferObserver observer,
                      std::shared_ptr<StagingBudget> budget)
     : options_(std::move(options)),
       store_(store),
       executor_(std::move(executor)),
+      background_(std::move(background)),
       observer_(std::move(observer)),
       budget_(budget != nullptr
                   ? std::move(budget)
@@ -254,7 +256,8 @@ absl::StatusOr<std::string> TransportsWithoutTcp(absl::string_view ucx_tls) {
 
 absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(
     DataPlaneOptions options, store::Store* store, Executor executor,
-    TransferObserver observer, std::shared_ptr<StagingBudget> budget) {
+    Executor background, TransferObserver observer,
+    std::shared_ptr<StagingBudget> budget) {
   WorkerLoop::Options loop_options;
   loop_options.name = options.ucx_name;
   loop_options.spin_iterations = options.spin_iterations;
@@ -272,7 +275,8 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(
   }
   std::unique_ptr<DataPlane> plane = absl::WrapUnique(
       new DataPlane(std::move(options), store, std::move(executor),
-                    std::move(observer), std::move(budget)));
+                    std::move(background), std::move(observer),
+                    std::move(budget)));
   absl::StatusOr<std::unique_ptr<WorkerLoop>> loop =
       WorkerLoop::Start(loop_options);
   if (!loop.ok()) return loop.status();
@@ -361,6 +365,7 @@ absl::Status DataPlane::Listen() {
 DataPlane::~DataPlane() { Stop(); }
 
 void DataPlane::Stop() {
+  prefaults_stop_.store(true, std::memory_order_relaxed);
   {
     MutexLock lock(&mu_);
     if (stopped_) return;
@@ -1119,9 +1124,14 @@ void DataPlane::PrefaultClientBuffer(std::shared_ptr<RemoteKey> key,
                                      uint64_t base, uint64_t length) {
   uint8_t* first = MappedRange(*key, base, length);
   if (first == nullptr) return;  // not one mapping of this process
-  executor_([this, key = std::move(key), first, length]() mutable {
-    // false: an older kernel; the puts fault as before.
-    const bool done = PopulateForWrite(first, length);
+  // Not on the worker pool: 2 MiB steps with pauses between them, for as
+  // long as the buffer takes (a 1 GiB one: 512 pauses), would hold up the
+  // copies and decodes of every read queued behind it.
+  background_([this, key = std::move(key), first, length]() mutable {
+    // false: an older kernel, or the node stops; the puts fault as before.
+    const bool done = PopulateForWrite(first, length, [this] {
+      return prefaults_stop_.load(std::memory_order_relaxed);
+    });
     if (done) prefaulted_buffer_bytes_.fetch_add(length);
     // A remote key is destroyed on the loop thread (see StageLocked).
     loop_->Post([key = std::move(key)] {});

@@ -224,12 +224,16 @@ class DataPlane {
   using CommitDone =
       std::function<void(absl::StatusOr<store::CommitResult> result)>;
 
+  // `executor`: the worker pool, which copies, checks, decodes and commits
+  // (reads' slices wait for its tasks). `background`: work that may take
+  // long and must not hold those up (faulting in the node's mapping of a
+  // client's buffer, PrefaultClientBuffer); not the worker pool.
   // `budget`: the staging budget this data plane draws from, shared with
   // other shards of the node's data plane; null: one of its own, of
   // options.staging_bytes.
   static absl::StatusOr<std::unique_ptr<DataPlane>> Start(
       DataPlaneOptions options, store::Store* store, Executor executor,
-      TransferObserver observer,
+      Executor background, TransferObserver observer,
       std::shared_ptr<StagingBudget> budget = nullptr);
   ~DataPlane();
   DataPlane(const DataPlane&) = delete;
@@ -327,7 +331,8 @@ class DataPlane {
   };
 
   DataPlane(DataPlaneOptions options, store::Store* store, Executor executor,
-            TransferObserver observer, std::shared_ptr<StagingBudget> budget);
+            Executor background, TransferObserver observer,
+            std::shared_ptr<StagingBudget> budget);
   absl::Status Listen();
 
   // UCX callbacks (loop thread).
@@ -383,7 +388,7 @@ class DataPlane {
                                                        absl::string_view packed,
                                                        bool* kept_new);
   // Where `key` maps the client region [base, base + length) into this
-  // process (shared memory): faults that mapping in on the worker pool
+  // process (shared memory): faults that mapping in on `background_`
   // (MADV_POPULATE_WRITE, which changes no byte), so that puts into a
   // long-lived buffer do not pay a page fault per 4 KiB page of it on
   // their first pass. Elsewhere (no mapping: tcp, RDMA) nothing.
@@ -583,6 +588,9 @@ class DataPlane {
   const DataPlaneOptions options_;
   store::Store* const store_;
   const Executor executor_;
+  const Executor background_;
+  // Set by Stop: a prefault under way ends at its next step.
+  std::atomic<bool> prefaults_stop_{false};
   const TransferObserver observer_;
   const std::shared_ptr<StagingBudget> budget_;
   std::unique_ptr<WorkerLoop> loop_;

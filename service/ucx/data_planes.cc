@@ -46,7 +46,7 @@ absl::Status CheckTcpPortRange(const DataPlaneOptions& options, int shards,
 
 absl::StatusOr<std::unique_ptr<DataPlanes>> DataPlanes::Start(
     DataPlaneOptions options, store::Store* store, DataPlane::Executor executor,
-    DataPlane::TransferObserver observer) {
+    DataPlane::Executor background, DataPlane::TransferObserver observer) {
   const int count = std::max(options.progress_threads, 1);
   const char* port_range = std::getenv("UCX_TCP_PORT_RANGE");
   if (absl::Status s =
@@ -63,7 +63,8 @@ absl::StatusOr<std::unique_ptr<DataPlanes>> DataPlanes::Start(
       shard_options.ucx_name = absl::StrCat(options.ucx_name, "-", i);
     }
     absl::StatusOr<std::unique_ptr<DataPlane>> shard = DataPlane::Start(
-        std::move(shard_options), store, executor, observer, budget);
+        std::move(shard_options), store, executor, background, observer,
+        budget);
     if (!shard.ok()) return shard.status();  // started shards stop as they go
     shards.push_back(*std::move(shard));
   }

@@ -57,7 +57,8 @@ class DataPlanes {
   // CheckTcpPortRange); the arguments are DataPlane::Start's.
   static absl::StatusOr<std::unique_ptr<DataPlanes>> Start(
       DataPlaneOptions options, store::Store* store,
-      DataPlane::Executor executor, DataPlane::TransferObserver observer);
+      DataPlane::Executor executor, DataPlane::Executor background,
+      DataPlane::TransferObserver observer);
   ~DataPlanes();
   DataPlanes(const DataPlanes&) = delete;
   DataPlanes& operator=(const DataPlanes&) = delete;
