@@ -163,6 +163,26 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     return client->Put(ns, writes);
   }
 
+  // Puts blocks 0..n-1 of random data (seeds seed..) as one chain, then
+  // waits (bounded) until the node has re-encoded what left a KIVI residual
+  // window in the background, so that every later read sees the same
+  // blocks. False when the put failed.
+  bool PutSettledChain(const std::string& ns, kernels::BlockShape shape, int n,
+                       int seed) {
+    std::vector<BlockWrite> writes;
+    for (int i = 0; i < n; ++i) {
+      data_[i] = RandomBlock(shape, seed + i);
+      writes.push_back({Key(i), i == 0 ? "" : Key(i - 1), data_[i]});
+    }
+    if (!client_->Put(ns, writes).ok()) return false;
+    const absl::Time give_up = absl::Now() + absl::Seconds(10);
+    while (node_->store()->Stats().pending_reencodes > 0 &&
+           absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return true;
+  }
+
   // How a client reaches the node's data plane (as Client does it), for
   // tests that drive ucx::ClientPlane themselves.
   static ucx::NodeAddress AddressOf(const kvcache::v1::DataPlaneInfo& info) {
@@ -507,19 +527,7 @@ TEST_P(UcxTest, Fp16ReadsDecodedOnTheClientEqualTheNodesAndMoveRawBytes) {
       NamespaceSpec spec = Spec(ns, codec, shape);
       spec.residual_tokens = 64;  // KIVI: the last 2 blocks of a chain fp16
       ASSERT_TRUE(client_->RegisterNamespace(spec).ok());
-      std::vector<BlockWrite> writes;
-      for (int i = 0; i < 6; ++i) {
-        data_[i] = RandomBlock(shape, 100 + i);
-        writes.push_back({Key(i), i == 0 ? "" : Key(i - 1), data_[i]});
-      }
-      ASSERT_TRUE(client_->Put(ns, writes).ok());
-      // KIVI re-encodes blocks that leave the window in the background:
-      // every read below must see the same blocks.
-      const absl::Time give_up = absl::Now() + absl::Seconds(10);
-      while (node_->store()->Stats().pending_reencodes > 0 &&
-             absl::Now() < give_up) {
-        absl::SleepFor(absl::Milliseconds(10));
-      }
+      ASSERT_TRUE(PutSettledChain(ns, shape, 6, 100));
       auto want = node_decodes->Get(ns, Keys(0, 6), ReadFormat::kFp16);
       ASSERT_TRUE(want.ok()) << ns << ": " << want.status();
       const uint64_t sent_before = UcxBytesOut(*node_);
@@ -615,6 +623,45 @@ TEST_P(UcxTest, AReadDoesNotWaitForItsBuffersPrefault) {
             kBufferBytes);
 }
 
+// What the client learns about the node mapping its buffers comes from
+// reads into DataBuffers only: a read into memory registered for that read
+// alone (which UCX's shared memory does not map) neither asks nor counts,
+// so the next fp16 read into a DataBuffer is still decoded by the node
+// into it.
+TEST_P(UcxTest, AReadIntoMemoryRegisteredForItDoesNotUnteachTheClient) {
+  if (GetParam().tcp()) GTEST_SKIP() << "the node maps no buffer over tcp";
+  const kernels::BlockShape shape = LargeShape();
+  const size_t block_bytes = kernels::Fp16BlockBytes(shape);
+  constexpr int kBlocks = 3;
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("learn", Codec::kFp8E4M3, shape)).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "learn", shape, 0, kBlocks).ok());
+  auto buffer = client_->AllocateBuffer(kBlocks * block_bytes);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  auto into_buffer = [&]() -> uint64_t {
+    const uint64_t before =
+        node_->data_plane()->Stats().blocks_decoded_into_destination;
+    auto read = client_->GetInto("learn", Keys(0, kBlocks), ReadFormat::kFp16,
+                                 (*buffer)->span(), block_bytes);
+    EXPECT_TRUE(read.ok()) << read.status();
+    if (read.ok()) {
+      EXPECT_TRUE((*read)->Wait().ok());
+    }
+    return node_->data_plane()->Stats().blocks_decoded_into_destination -
+           before;
+  };
+  into_buffer();  // learns, if no read has taught it yet
+  EXPECT_EQ(into_buffer(), uint64_t{kBlocks});
+  // The raw encoding into heap memory, registered for this read.
+  std::vector<uint8_t> heap(kBlocks * block_bytes);
+  auto raw = client_->GetInto("learn", Keys(0, kBlocks), ReadFormat::kRaw,
+                              absl::MakeSpan(heap), block_bytes);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  ASSERT_TRUE((*raw)->Wait().ok());
+  EXPECT_EQ(into_buffer(), uint64_t{kBlocks})
+      << "a read into memory the node does not map untaught the client";
+}
+
 // An fp16 read into a DataBuffer by a client that decodes reads itself
 // (decode_on_client): once a read's status has said that the node maps
 // this client's buffers (shared memory), the client asks the node to decode
@@ -642,17 +689,7 @@ TEST_P(UcxTest, ANodeThatMapsTheDestinationDecodesIntoIt) {
       NamespaceSpec spec = Spec(ns, codec, shape);
       spec.residual_tokens = 64;  // KIVI: the last 2 blocks of a chain fp16
       ASSERT_TRUE(client_->RegisterNamespace(spec).ok());
-      std::vector<BlockWrite> writes;
-      for (int i = 0; i < kBlocks; ++i) {
-        data_[i] = RandomBlock(shape, 300 + i);
-        writes.push_back({Key(i), i == 0 ? "" : Key(i - 1), data_[i]});
-      }
-      ASSERT_TRUE(client_->Put(ns, writes).ok());
-      const absl::Time give_up = absl::Now() + absl::Seconds(10);
-      while (node_->store()->Stats().pending_reencodes > 0 &&
-             absl::Now() < give_up) {
-        absl::SleepFor(absl::Milliseconds(10));
-      }
+      ASSERT_TRUE(PutSettledChain(ns, shape, kBlocks, 300));
       auto want = node_decodes->Get(ns, Keys(0, kBlocks), ReadFormat::kFp16);
       ASSERT_TRUE(want.ok()) << ns << ": " << want.status();
       uint64_t encoded = 0;
@@ -1054,8 +1091,9 @@ TEST_P(UcxTest, ACorruptBlockFailsAWholeBlockRead) {
 }
 
 // Where the node maps a client's long-lived buffer (shared memory), it
-// faults the whole mapping in when it first keeps the buffer's key, on the
-// worker pool, and the reads into it stay exact; over tcp it maps nothing.
+// faults the whole mapping in when it first keeps the buffer's key, on a
+// background thread, and the reads into it stay exact; over tcp it maps
+// nothing.
 TEST_P(UcxTest, ALongLivedBufferIsFaultedInWhereTheNodeMapsIt) {
   const kernels::BlockShape shape = LargeShape();
   ASSERT_TRUE(

@@ -576,7 +576,7 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
             (address.bounded_reads ? kReadFlagBounded : 0) |
             (address.message_reads ? kReadFlagMessages : 0) |
             (sequenced ? kReadFlagSequenced : 0) |
-            (address.decodes_into_destination ? kReadFlagReportMapped : 0);
+            (LearnsMapping(address, buffer_id) ? kReadFlagReportMapped : 0);
   h.buffer_id = buffer_id;
   ReadStartBody body;
   body.remote_key = *rkey;
@@ -593,6 +593,12 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   state->memh = region->memh();
   state->sequenced = sequenced;
   state->node_key = address.key();
+  if (!address.decodes_into_destination) {
+    // A node that no longer says (another build at the same address) is
+    // not asked to decode on an earlier one's word.
+    MutexLock lock(&maps_mu_);
+    maps_destinations_.erase(state->node_key);
+  }
   std::string token_bytes = TokenBytes(token);
   state->token = token_bytes;
   bool posted = loop_->Post([this, address, token_bytes, state,
@@ -858,6 +864,11 @@ void ClientPlane::EndRead(const std::string& token, uint32_t layers_done,
   loop_->AddBusy(-1);
   state->Update(layers_done, /*done=*/true, status);
   DetachWhenReceived(state, status);
+}
+
+bool ClientPlane::LearnsMapping(const NodeAddress& address,
+                                uint64_t buffer_id) {
+  return address.decodes_into_destination && buffer_id != 0;
 }
 
 std::optional<bool> ClientPlane::MapsDestinations(

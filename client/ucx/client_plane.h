@@ -160,9 +160,13 @@ class ClientPlane {
       bool per_layer, uint64_t buffer_id = 0);
 
   // What the last successful read from the node of `node_key`
-  // (NodeAddress::key) that asked (decodes_into_destination) heard: whether
-  // the node wrote its destination through its own mapping of it (shared
-  // memory, into a DataBuffer); nullopt before any such read.
+  // (NodeAddress::key) into a long-lived buffer (buffer_id != 0: a
+  // DataBuffer, or a pooled region reads land in) heard: whether the node
+  // wrote it through its own mapping (shared memory); nullopt before any
+  // such read, or after a read to that node found it not offering
+  // decodes_into_destination. Reads into memory registered for one read
+  // neither ask nor count: the node may not map those where it maps
+  // DataBuffers.
   std::optional<bool> MapsDestinations(const std::string& node_key) const;
 
   // Tells every connected node to drop the key it kept for `buffer_id`
@@ -187,6 +191,9 @@ class ClientPlane {
                                  size_t header_length, void* data,
                                  size_t length,
                                  const ucp_am_recv_param_t* param) noexcept;
+  // Whether a read into `buffer_id`'s region asks the node of `address` to
+  // report its delivery (kReadFlagReportMapped), see MapsDestinations.
+  static bool LearnsMapping(const NodeAddress& address, uint64_t buffer_id);
   // The read named by `token` bytes, if it is in progress.
   std::shared_ptr<ReadState> FindRead(const std::string& token);
   // Records successful status `h` of `state` and returns true when it

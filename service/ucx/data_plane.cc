@@ -152,6 +152,8 @@ struct DataPlane::ReadSession {
   store::ReadClaim claim;
   Token token{};
   absl::Time deadline;
+  // Pool tasks read the blocks; DecodeThenSend's tasks also write the
+  // copies (`data`) of the blocks they decode, until the last reports.
   store::ReadResult result;
   std::vector<std::vector<uint64_t>> layer_ends;  // per block
   uint32_t num_layers = 0;  // slices reported in per-layer mode
@@ -179,8 +181,9 @@ struct DataPlane::ReadSession {
   uint32_t data_messages = 0;  // kAmReadData messages issued
   bool sequenced = false;      // numbered for the client (kReadFlagSequenced)
   // Where the node maps every destination (shared memory): each block's
-  // destination in this process, which the worker pool copies into
-  // (CopySlice) instead of UCX puts on the loop thread; empty otherwise.
+  // destination in this process, which the worker pool copies or decodes
+  // into (CopySlice) instead of UCX puts on the loop thread; empty
+  // otherwise.
   std::vector<uint8_t*> mapped;
   std::vector<bool> slice_copied;  // per slice, once its copies are done
   uint32_t slices_reported = 0;    // statuses sent, in slice order
@@ -1284,17 +1287,14 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
   if (!by_messages) MapDestinations(*session);
   session->decoding = PlanDecoding(session->result);
   if (session->decoding != nullptr) {
-    uint64_t left_encoded = 0;
-    for (const store::ReadBlock& block : session->result.blocks) {
-      left_encoded += block.decode_later ? 1 : 0;
-    }
-    (session->mapped.empty() ? blocks_decoded_at_read_start_
-                             : blocks_decoded_into_destination_)
-        .fetch_add(left_encoded);
     if (session->mapped.empty()) {
       DecodeThenSend(session);
       return;
     }
+    blocks_decoded_into_destination_.fetch_add(
+        std::count_if(session->result.blocks.begin(),
+                      session->result.blocks.end(),
+                      [](const store::ReadBlock& b) { return b.decode_later; }));
   }
   CheckAndSend(session, DecodesCheck(session->result));
 }
@@ -1777,6 +1777,7 @@ absl::Status DataPlane::DecodeUnits(
     const ReadSession& session, absl::Span<const DecodeUnit> units,
     kernels::DecodeStores stores,
     std::optional<std::pair<size_t, uint32_t>>* corrupt, bool* stopped) {
+  if (units.empty()) return absl::OkStatus();  // a task of copies only
   const LayerDecoding& plan = *session.decoding;
   // A layer that crosses page runs is gathered here first (a layer's
   // encoding is small enough to stay in the cache for its decode).
@@ -1805,6 +1806,14 @@ absl::Status DataPlane::DecodeUnits(
       src = gathered.data();
     }
     const absl::Span<const uint8_t> encoded(src, hi - lo);
+    if (!block.unchecked_layer_sums.empty() &&
+        block.unchecked_layer_sums.size() + 1 != plan.offsets.size()) {
+      // The store hands over one sum per layer of the encoding; anything
+      // else cannot be checked layer by layer here.
+      return absl::InternalError(absl::StrCat(
+          "block ", unit.block, ": ", block.unchecked_layer_sums.size(),
+          " layer checksums for ", plan.offsets.size() - 1, " layers"));
+    }
     // The stored bytes are checked before anything is decoded from them:
     // what the client gets is the decode of what was written.
     if (!block.unchecked_layer_sums.empty() &&
@@ -1839,32 +1848,44 @@ void DataPlane::DecodeThenSend(const std::shared_ptr<ReadSession>& session) {
     return;
   }
   session->decode_reservation = *std::move(reserved);
-  std::vector<std::vector<DecodeUnit>> tasks(1);
+  // Tasks of about kCopyTaskBytes of whole blocks. Each task sizes its
+  // blocks' copies itself: zero-filling them here would hold up the loop
+  // thread. Until the last task reports, only pool tasks touch them.
+  std::vector<std::vector<size_t>> tasks(1);
   uint64_t task_bytes = 0;
-  const LayerDecoding& plan = *session->decoding;
   for (size_t b = 0; b < session->result.blocks.size(); ++b) {
-    store::ReadBlock& block = session->result.blocks[b];
+    const store::ReadBlock& block = session->result.blocks[b];
     if (!block.decode_later) continue;
     if (task_bytes >= kCopyTaskBytes) {
       tasks.emplace_back();
       task_bytes = 0;
     }
-    block.data.resize(block.fp16_bytes);
-    auto* out = reinterpret_cast<uint8_t*>(block.data.data());
-    for (uint32_t l = 0; l + 1 < plan.offsets.size(); ++l) {
-      tasks.back().push_back({b, l, out + uint64_t{l} * plan.fp16_layer_bytes});
-    }
+    tasks.back().push_back(b);
     task_bytes += block.fp16_bytes;
+    blocks_decoded_at_read_start_.fetch_add(1);
   }
-  for (std::vector<DecodeUnit>& units : tasks) {
+  for (std::vector<size_t>& blocks : tasks) {
     ++session->outstanding;
     ++session->decodes_left;
     loop_->AddBusy(1);
-    executor_([this, session, units = std::move(units)] {
+    executor_([this, session, blocks = std::move(blocks)] {
       std::optional<std::pair<size_t, uint32_t>> corrupt;
       bool stopped = false;
-      const absl::Status decoded = DecodeUnits(
-          *session, units, kernels::DecodeStores::kCached, &corrupt, &stopped);
+      absl::Status decoded;
+      const LayerDecoding& plan = *session->decoding;
+      std::vector<DecodeUnit> units;
+      for (size_t b : blocks) {
+        store::ReadBlock& block = session->result.blocks[b];
+        block.data.resize(block.fp16_bytes);
+        auto* out = reinterpret_cast<uint8_t*>(block.data.data());
+        units.clear();
+        for (uint32_t l = 0; l + 1 < plan.offsets.size(); ++l) {
+          units.push_back({b, l, out + uint64_t{l} * plan.fp16_layer_bytes});
+        }
+        decoded = DecodeUnits(*session, units, kernels::DecodeStores::kCached,
+                              &corrupt, &stopped);
+        if (!decoded.ok() || corrupt || stopped) break;
+      }
       loop_->Post([this, session, corrupt, decoded, stopped] {
         loop_->AddBusy(-1);
         --session->outstanding;
@@ -1874,12 +1895,12 @@ void DataPlane::DecodeThenSend(const std::shared_ptr<ReadSession>& session) {
         if (stopped && session->error.ok()) {
           session->error = absl::AbortedError("the read ended early");
         }
-        if (session->decodes_left == 0 && !session->finished) {
-          if (!session->error.ok()) {
-            FinishRead(session, session->error);
-          } else {
-            SendDecoded(session);
-          }
+        if (!session->finished && !session->error.ok()) {
+          // At once, not after the other blocks' decodes: FinishRead stops
+          // them (stop_copies), and the session is released once they end.
+          FinishRead(session, session->error);
+        } else if (!session->finished && session->decodes_left == 0) {
+          SendDecoded(session);
         }
         ReleaseIfIdle(*session);
       });

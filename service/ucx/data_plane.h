@@ -29,7 +29,11 @@
 //    data plane to check (caller_verifies; unless allow_missing), and is
 //    put straight from the pinned pages; only decoded blocks (verified in
 //    BeginRead, and every block of a device arena) are copies, and only
-//    they keep their staging. OpenRead returns the
+//    they keep their staging. A read whose client asked for the decode in
+//    its own memory (BeginReadRequest.decode_into_destination) leaves the
+//    encoded blocks in place too: at ReadStart the node decodes them
+//    straight into the destination where it maps it, or else into copies,
+//    with staging reserved then. OpenRead returns the
 //    address and a token. The client registers its
 //    destination memory and sends ReadStart with the packed remote key and
 //    one address per block; the node puts the blocks there (layer by layer
@@ -52,7 +56,7 @@
 //    segment on shared memory, a page fault per page on first touch; doing
 //    that for every read cost 5x the read's throughput. When the node first
 //    keeps such a key and the buffer is mapped into the node (shared
-//    memory), the worker pool faults the whole mapping in at once
+//    memory), a background thread faults the whole mapping in at once
 //    (PrefaultClientBuffer), so the first reads into it are not charged a
 //    fault per 4 KiB page. Puts into it still
 //    happen only for reads whose token the client presented.
@@ -512,7 +516,9 @@ class DataPlane {
   // Copies `slice` on the worker pool, in tasks of about kCopyTaskBytes;
   // with session.check_in_copies each task also checksums each layer it
   // copies, from the source just read, and a layer that does not match
-  // fails the read before its status can go.
+  // fails the read before its status can go. Blocks left encoded
+  // (ReadBlock::decode_later) are checked and decoded into the destination
+  // layer by layer in the same tasks (DecodeUnits).
   void CopySlice(const std::shared_ptr<ReadSession>& session, uint32_t slice);
   // Sends the statuses of the copied slices, in order; ends the read after
   // the last (or on an error, or once the connection is gone).
