@@ -269,7 +269,7 @@ void Node::Drain(absl::Duration notice) {
     data_plane_->Stop();
     metrics_->SetDataPlaneSource(nullptr);  // the plane goes before metrics
   }
-  workers_.reset();  // runs what is queued; every reactor has finished
+  workers_.reset();     // runs what is queued; every reactor has finished
   background_.reset();  // a prefault under way stops at its next step
   if (health_server_ != nullptr) {
     health_server_->Shutdown(std::chrono::system_clock::now());

@@ -619,8 +619,7 @@ TEST_P(UcxTest, AReadDoesNotWaitForItsBuffersPrefault) {
          absl::Now() < give_up) {
     absl::SleepFor(absl::Milliseconds(10));
   }
-  EXPECT_EQ(node_->data_plane()->Stats().prefaulted_buffer_bytes,
-            kBufferBytes);
+  EXPECT_EQ(node_->data_plane()->Stats().prefaulted_buffer_bytes, kBufferBytes);
 }
 
 // What the client learns about the node mapping its buffers comes from

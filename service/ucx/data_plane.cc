@@ -276,10 +276,9 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(
     if (!tls.ok()) return tls.status();
     loop_options.ucx_settings.push_back({"TLS", *std::move(tls)});
   }
-  std::unique_ptr<DataPlane> plane = absl::WrapUnique(
-      new DataPlane(std::move(options), store, std::move(executor),
-                    std::move(background), std::move(observer),
-                    std::move(budget)));
+  std::unique_ptr<DataPlane> plane = absl::WrapUnique(new DataPlane(
+      std::move(options), store, std::move(executor), std::move(background),
+      std::move(observer), std::move(budget)));
   absl::StatusOr<std::unique_ptr<WorkerLoop>> loop =
       WorkerLoop::Start(loop_options);
   if (!loop.ok()) return loop.status();
@@ -1291,10 +1290,9 @@ void DataPlane::StartPuts(const std::shared_ptr<ReadSession>& session,
       DecodeThenSend(session);
       return;
     }
-    blocks_decoded_into_destination_.fetch_add(
-        std::count_if(session->result.blocks.begin(),
-                      session->result.blocks.end(),
-                      [](const store::ReadBlock& b) { return b.decode_later; }));
+    blocks_decoded_into_destination_.fetch_add(std::count_if(
+        session->result.blocks.begin(), session->result.blocks.end(),
+        [](const store::ReadBlock& b) { return b.decode_later; }));
   }
   CheckAndSend(session, DecodesCheck(session->result));
 }

@@ -62,9 +62,9 @@ absl::StatusOr<std::unique_ptr<DataPlanes>> DataPlanes::Start(
       shard_options.listen.clear();
       shard_options.ucx_name = absl::StrCat(options.ucx_name, "-", i);
     }
-    absl::StatusOr<std::unique_ptr<DataPlane>> shard = DataPlane::Start(
-        std::move(shard_options), store, executor, background, observer,
-        budget);
+    absl::StatusOr<std::unique_ptr<DataPlane>> shard =
+        DataPlane::Start(std::move(shard_options), store, executor, background,
+                         observer, budget);
     if (!shard.ok()) return shard.status();  // started shards stop as they go
     shards.push_back(*std::move(shard));
   }
