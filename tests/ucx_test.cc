@@ -622,6 +622,48 @@ TEST_P(UcxTest, AReadDoesNotWaitForItsBuffersPrefault) {
   EXPECT_EQ(node_->data_plane()->Stats().prefaulted_buffer_bytes, kBufferBytes);
 }
 
+// A read into a fresh buffer that comes to a part of it before the
+// node's background prefault does faults that part of the node's mapping
+// in itself (PopulateAhead), the part it writes and no more; once the
+// prefault has ended, reads into the buffer populate nothing.
+TEST_P(UcxTest, AReadAheadOfItsBuffersPrefaultFaultsInItsOwnDestination) {
+  if (GetParam().tcp()) GTEST_SKIP() << "the node maps no buffer over tcp";
+  StartNode(256ull << 20, 64ull << 20, absl::Seconds(30), /*worker_threads=*/1);
+  const kernels::BlockShape shape = LargeShape();
+  const size_t block_bytes = kernels::Fp16BlockBytes(shape);
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("ahead", Codec::kNone, shape)).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "ahead", shape, 0, 1).ok());
+  constexpr size_t kBufferBytes = size_t{2} << 30;
+  auto buffer = client_->AllocateBuffer(kBufferBytes);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  // The last block of the buffer, which the prefault reaches last.
+  const absl::Span<uint8_t> last =
+      (*buffer)->span().subspan(kBufferBytes - block_bytes);
+  auto read_last = [&] {
+    auto read = client_->GetInto("ahead", Keys(0, 1), ReadFormat::kFp16, last,
+                                 block_bytes);
+    ASSERT_TRUE(read.ok()) << read.status();
+    ASSERT_TRUE((*read)->Wait().ok());
+    EXPECT_EQ(std::memcmp(last.data(), data_[0].data(), block_bytes), 0);
+  };
+  read_last();
+  ucx::DataPlaneStats stats = node_->data_plane()->Stats();
+  ASSERT_EQ(stats.prefaulted_buffer_bytes, 0u)
+      << "the prefault ended before the read: nothing to show";
+  EXPECT_EQ(stats.buffer_bytes_populated_by_reads, block_bytes);
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (node_->data_plane()->Stats().prefaulted_buffer_bytes == 0 &&
+         absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(node_->data_plane()->Stats().prefaulted_buffer_bytes, kBufferBytes);
+  read_last();
+  EXPECT_EQ(node_->data_plane()->Stats().buffer_bytes_populated_by_reads,
+            block_bytes)
+      << "a read into a buffer already faulted in populated it again";
+}
+
 // What the client learns about the node mapping its buffers comes from
 // reads into DataBuffers only: a read into memory registered for that read
 // alone (which UCX's shared memory does not map) neither asks nor counts,

@@ -96,6 +96,7 @@ struct DataPlane::Connection {
   struct BufferKey {
     std::string packed;
     std::shared_ptr<RemoteKey> key;
+    std::shared_ptr<const BufferPrefault> prefault;  // null: none
   };
   absl::flat_hash_map<uint64_t, BufferKey> buffer_keys;
 
@@ -144,6 +145,17 @@ struct DataPlane::LayerDecoding {
   uint64_t fp16_layer_bytes = 0;
 };
 
+// How far the background prefault of the node's mapping of a client's
+// buffer has come (PrefaultClientBuffer). Written by the prefault alone.
+struct DataPlane::BufferPrefault {
+  uintptr_t first = 0;  // the mapping of [base, base + length)
+  uint64_t length = 0;
+  std::atomic<uint64_t> reached{0};  // [first, first + reached) is in
+  // The prefault is over: the whole mapping is in, or it stopped (the node
+  // stops; a kernel without MADV_POPULATE_WRITE) and reads fault as usual.
+  std::atomic<bool> ended{false};
+};
+
 struct DataPlane::ReadSession {
   enum class State { kWaiting, kTransferring, kDone };
   uint64_t id = 0;  // the store's read lease; never changes
@@ -185,6 +197,9 @@ struct DataPlane::ReadSession {
   // into (CopySlice) instead of UCX puts on the loop thread; empty
   // otherwise.
   std::vector<uint8_t*> mapped;
+  // The prefault of the buffer `mapped` lies in, while it was under way
+  // at ReadStart (copy tasks then PopulateAhead); else null.
+  std::shared_ptr<const BufferPrefault> prefault;
   std::vector<bool> slice_copied;  // per slice, once its copies are done
   uint32_t slices_reported = 0;    // statuses sent, in slice order
   // Blocks handed over unchecked (ReadBlock::unchecked_layer_sums) are
@@ -425,6 +440,7 @@ DataPlaneStats DataPlane::Stats() const {
   s.pulled_blocks = pulled_blocks_.load();
   s.blocks_received_in_place = blocks_received_in_place_.load();
   s.prefaulted_buffer_bytes = prefaulted_buffer_bytes_.load();
+  s.buffer_bytes_populated_by_reads = buffer_bytes_populated_by_reads_.load();
   s.message_reads = message_reads_.load();
   s.copied_reads = copied_reads_.load();
   s.blocks_decoded_into_destination = blocks_decoded_into_destination_.load();
@@ -1116,28 +1132,54 @@ absl::StatusOr<std::shared_ptr<RemoteKey>> DataPlane::ClientKey(
   if (buffer_id != 0 && (kept != conn->buffer_keys.end() ||
                          conn->buffer_keys.size() < kMaxBufferKeys)) {
     if (kept == conn->buffer_keys.end()) buffer_key_count_.fetch_add(1);
-    conn->buffer_keys[buffer_id] = {std::string(packed), key};
+    conn->buffer_keys[buffer_id] = {std::string(packed), key, nullptr};
     *kept_new = true;
   }
   return key;
 }
 
-void DataPlane::PrefaultClientBuffer(std::shared_ptr<RemoteKey> key,
-                                     uint64_t base, uint64_t length) {
+std::shared_ptr<const DataPlane::BufferPrefault>
+DataPlane::PrefaultClientBuffer(std::shared_ptr<RemoteKey> key, uint64_t base,
+                                uint64_t length) {
   uint8_t* first = MappedRange(*key, base, length);
-  if (first == nullptr) return;  // not one mapping of this process
+  if (first == nullptr) return nullptr;  // not one mapping of this process
+  auto progress = std::make_shared<BufferPrefault>();
+  progress->first = reinterpret_cast<uintptr_t>(first);
+  progress->length = length;
   // Not on the worker pool: 2 MiB steps with pauses between them, for as
   // long as the buffer takes (a 1 GiB one: 512 pauses), would hold up the
   // copies and decodes of every read queued behind it.
-  background_([this, key = std::move(key), first, length]() mutable {
+  background_([this, key = std::move(key), progress, first, length]() mutable {
     // false: an older kernel, or the node stops; the puts fault as before.
-    const bool done = PopulateForWrite(first, length, [this] {
-      return prefaults_stop_.load(std::memory_order_relaxed);
-    });
+    const bool done = PopulateForWrite(
+        first, length,
+        [this] { return prefaults_stop_.load(std::memory_order_relaxed); },
+        [&progress](size_t reached) {
+          progress->reached.store(reached, std::memory_order_release);
+        });
+    progress->ended.store(true, std::memory_order_release);
     if (done) prefaulted_buffer_bytes_.fetch_add(length);
     // A remote key is destroyed on the loop thread (see StageLocked).
     loop_->Post([key = std::move(key)] {});
   });
+  return progress;
+}
+
+void DataPlane::PopulateAhead(const BufferPrefault* prefault, uint8_t* out,
+                              uint64_t length) {
+  if (prefault == nullptr || prefault->ended.load(std::memory_order_acquire)) {
+    return;
+  }
+  const uintptr_t reached =
+      prefault->first + prefault->reached.load(std::memory_order_acquire);
+  const uintptr_t lo = std::max(reinterpret_cast<uintptr_t>(out), reached);
+  const uintptr_t hi = std::min(reinterpret_cast<uintptr_t>(out) + length,
+                                prefault->first + prefault->length);
+  if (lo >= hi) return;
+  // A refusal (no memory) leaves the writes to fault as usual.
+  if (PopulateStepForWrite(reinterpret_cast<void*>(lo), hi - lo)) {
+    buffer_bytes_populated_by_reads_.fetch_add(hi - lo);
+  }
 }
 
 void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
@@ -1231,7 +1273,14 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
     return;
   }
   if (kept_new && (h->flags & kReadFlagBounded) != 0) {
-    PrefaultClientBuffer(*rkey, body->region_base, body->region_length);
+    conn->buffer_keys[h->buffer_id].prefault =
+        PrefaultClientBuffer(*rkey, body->region_base, body->region_length);
+  }
+  if (auto kept = conn->buffer_keys.find(h->buffer_id);
+      h->buffer_id != 0 && kept != conn->buffer_keys.end() &&
+      kept->second.key == *rkey && kept->second.prefault != nullptr &&
+      !kept->second.prefault->ended.load(std::memory_order_acquire)) {
+    session->prefault = kept->second.prefault;
   }
   session->rkey = *std::move(rkey);
   const bool by_messages = (h->flags & kReadFlagMessages) != 0 && blocks > 0 &&
@@ -1668,6 +1717,9 @@ void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
   struct Task {
     std::vector<CopyPiece> pieces;
     std::vector<DecodeUnit> decodes;
+    // Where session->prefault: the destinations the task writes, as
+    // contiguous runs, to PopulateAhead.
+    std::vector<std::pair<uint8_t*, uint64_t>> runs;
   };
   std::vector<Task> tasks(1);
   uint64_t task_bytes = 0;
@@ -1686,6 +1738,15 @@ void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
     };
     task_bytes += end - start;
     session->slice_bytes[slice] += end - start;
+    if (session->prefault != nullptr) {
+      auto& runs = tasks.back().runs;
+      uint8_t* out = session->mapped[b] + start;
+      if (!runs.empty() && runs.back().first + runs.back().second == out) {
+        runs.back().second += end - start;
+      } else {
+        runs.emplace_back(out, end - start);
+      }
+    }
     if (block.decode_later) {
       // Slices of a decoded block are whole fp16 layers (LayerEnds).
       const uint64_t layer_bytes = session->decoding->fp16_layer_bytes;
@@ -1721,6 +1782,9 @@ void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
     ++session->slice_sends[slice];
     loop_->AddBusy(1);
     executor_([this, session, slice, task = std::move(task)] {
+      for (const auto& [out, length] : task.runs) {
+        PopulateAhead(session->prefault.get(), out, length);
+      }
       bool stopped = false;
       std::optional<std::pair<size_t, uint32_t>> corrupt =
           CopyAndCheck(task.pieces, session->stop_copies, &stopped);

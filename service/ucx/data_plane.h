@@ -58,7 +58,9 @@
 //    keeps such a key and the buffer is mapped into the node (shared
 //    memory), a background thread faults the whole mapping in at once
 //    (PrefaultClientBuffer), so the first reads into it are not charged a
-//    fault per 4 KiB page. Puts into it still
+//    fault per 4 KiB page; a read that comes to a part of it before the
+//    prefault does faults that part in itself, in one call
+//    (PopulateAhead). Puts into it still
 //    happen only for reads whose token the client presented.
 //
 // Invariants:
@@ -210,6 +212,10 @@ struct DataPlaneStats {
   // memory) and faulted in at once when it first got their keys
   // (PrefaultClientBuffer), since the start.
   uint64_t prefaulted_buffer_bytes = 0;
+  // Of those buffers, the bytes that reads' copies and decodes faulted in
+  // themselves because they came to them before the prefault did
+  // (DataPlane::PopulateAhead), since the start.
+  uint64_t buffer_bytes_populated_by_reads = 0;
 };
 
 // The UCX_TLS value a node without tcp_trusted_network runs with, given
@@ -326,6 +332,7 @@ class DataPlane {
   struct WriteSession;
   struct ReadSession;
   struct LayerDecoding;
+  struct BufferPrefault;
   // Layer `layer` of block `block` (ReadBlock::decode_later), decoded into
   // `out`.
   struct DecodeUnit {
@@ -395,9 +402,20 @@ class DataPlane {
   // process (shared memory): faults that mapping in on `background_`
   // (MADV_POPULATE_WRITE, which changes no byte), so that puts into a
   // long-lived buffer do not pay a page fault per 4 KiB page of it on
-  // their first pass. Elsewhere (no mapping: tcp, RDMA) nothing.
-  void PrefaultClientBuffer(std::shared_ptr<RemoteKey> key, uint64_t base,
-                            uint64_t length);
+  // their first pass, and returns how far it has come, for the reads into
+  // the buffer meanwhile (PopulateAhead). Elsewhere (no mapping: tcp, RDMA)
+  // nothing, and null.
+  std::shared_ptr<const BufferPrefault> PrefaultClientBuffer(
+      std::shared_ptr<RemoteKey> key, uint64_t base, uint64_t length);
+  // Pool thread, before a copy or decode task writes [out, out + length)
+  // of a client's mapped buffer: the part of it that the buffer's
+  // prefault (`prefault`, null: none) has yet to reach is faulted in here,
+  // in one call, rather than a page fault per 4 KiB page as the task
+  // writes it (a fault per page cost the node's decodes more than the
+  // decodes themselves on a fresh buffer). Nothing once the prefault has
+  // ended, so reads into a warm buffer pay nothing.
+  void PopulateAhead(const BufferPrefault* prefault, uint8_t* out,
+                     uint64_t length);
   // Whether puts over `conn` into the region of `rkey` are native: false
   // only where the node cannot map the region and every lane of the
   // endpoint is TCP, where UCX emulates puts with active messages.
@@ -639,6 +657,7 @@ class DataPlane {
   std::atomic<uint64_t> reads_checked_before_sending_{0};
   std::atomic<uint64_t> read_slices_posted_{0};
   std::atomic<uint64_t> prefaulted_buffer_bytes_{0};
+  std::atomic<uint64_t> buffer_bytes_populated_by_reads_{0};
   std::atomic<uint64_t> rejected_connections_{0};
 };
 

@@ -168,6 +168,7 @@ DataPlaneStats DataPlanes::Stats() const {
     sum.reads_checked_before_sending += s.reads_checked_before_sending;
     sum.read_slices_posted += s.read_slices_posted;
     sum.prefaulted_buffer_bytes += s.prefaulted_buffer_bytes;
+    sum.buffer_bytes_populated_by_reads += s.buffer_bytes_populated_by_reads;
   }
   return sum;
 }
