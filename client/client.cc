@@ -341,6 +341,7 @@ ucx::NodeAddress Client::Impl::Resolve(const v1::DataPlaneInfo& info) const {
   address.message_reads = info.message_reads();
   address.sequenced_data = info.sequenced_data();
   address.decodes_into_destination = info.decodes_into_destination();
+  address.keeps_named_buffers = info.keeps_named_buffers();
   address.tcp_segments.tx_bytes = info.tcp_tx_seg_bytes();
   address.tcp_segments.rx_bytes = info.tcp_rx_seg_bytes();
   return address;
@@ -414,7 +415,8 @@ absl::StatusOr<Client::Impl::Begun> Client::Impl::BeginRead(
 absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> Client::Impl::StartRead(
     ucx::ClientPlane* ucx_plane, const v1::BeginReadResponse& response,
     std::shared_ptr<ucx::MemoryRegion> region,
-    const std::vector<uint64_t>& offsets, bool per_layer, uint64_t buffer_id) {
+    const std::vector<uint64_t>& offsets, bool per_layer, uint64_t buffer_id,
+    ucx::NamedRegion named) {
   absl::StatusOr<ucx::Token> token =
       ucx::TokenFromBytes(response.data_plane().token());
   if (!token.ok()) return token.status();
@@ -426,9 +428,9 @@ absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> Client::Impl::StartRead(
     MutexLock lock(&read_node_mu);
     read_node = node.key();
   }
-  return ucx_plane->StartRead(node, response.read_id(), *token,
-                              std::move(region), destinations,
-                              PlaneLayers(response), per_layer, buffer_id);
+  return ucx_plane->StartRead(
+      node, response.read_id(), *token, std::move(region), destinations,
+      PlaneLayers(response), per_layer, buffer_id, named);
 }
 
 absl::Status Client::Impl::CheckInline(bool wanted,
@@ -922,9 +924,16 @@ absl::Status Client::Impl::StartDecodedReadInto(
   pending.decoder = std::make_unique<internal::LayerDecoder>(metadata.shape,
                                                              std::move(blocks));
   pending.layer_by_layer = layer_by_layer;
+  // A DataBuffer the blocks are decoded into is named to the node, which
+  // maps it ahead of the reads it will decode into it itself
+  // (NodeDecodesInto).
+  ucx::NamedRegion named;
+  const std::shared_ptr<ucx::MemoryRegion> dest_region =
+      buffers.Holding(dest.data(), dest.size(), &named.buffer_id);
+  named.region = dest_region.get();
   absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
       StartRead(*ucx_plane, response, std::move(landing->region),
-                landing->offsets, layer_by_layer, landing->buffer_id);
+                landing->offsets, layer_by_layer, landing->buffer_id, named);
   if (!transfer.ok()) return transfer.status();
   pending.landing = std::move(landing->buffer);
   pending.read = *std::move(transfer);

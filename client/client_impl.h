@@ -146,7 +146,7 @@ struct Client::Impl {
       ucx::ClientPlane* ucx_plane, const v1::BeginReadResponse& response,
       std::shared_ptr<ucx::MemoryRegion> region,
       const std::vector<uint64_t>& offsets, bool per_layer,
-      uint64_t buffer_id = 0);
+      uint64_t buffer_id = 0, ucx::NamedRegion named = {});
   // An inline answer from a node that should have used the data plane.
   absl::Status CheckInline(bool wanted, const v1::BeginReadResponse& response);
   // One Get (Client::Get retries it once on a fresh connection reset).

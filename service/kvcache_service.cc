@@ -516,6 +516,7 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   response->mutable_data_plane()->set_message_reads(true);
   response->mutable_data_plane()->set_sequenced_data(true);
   response->mutable_data_plane()->set_decodes_into_destination(true);
+  response->mutable_data_plane()->set_keeps_named_buffers(true);
   return absl::OkStatus();
 }
 

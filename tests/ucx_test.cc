@@ -664,6 +664,65 @@ TEST_P(UcxTest, AReadAheadOfItsBuffersPrefaultFaultsInItsOwnDestination) {
       << "a read into a buffer already faulted in populated it again";
 }
 
+// A read that the client decodes itself lands in a pooled buffer and names
+// the DataBuffer it is decoded into: the node keeps that buffer's key and,
+// where it maps it (shared memory), faults its mapping in before any read
+// lands there, so the reads that the node then decodes into the buffer
+// find it warm and populate nothing themselves. Over tcp the node keeps
+// the key and maps nothing.
+TEST_P(UcxTest, AReadTheClientDecodesNamesItsBufferToTheNode) {
+  const kernels::BlockShape shape = LargeShape();
+  const size_t block_bytes = kernels::Fp16BlockBytes(shape);
+  constexpr int kBlocks = 2;
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("named", Codec::kFp8E4M3, shape)).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "named", shape, 0, kBlocks).ok());
+  constexpr size_t kBufferBytes = size_t{64} << 20;
+  auto buffer = client_->AllocateBuffer(kBufferBytes);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  auto read = [&](ReadFormat format) -> std::vector<uint8_t> {
+    std::fill((*buffer)->data(), (*buffer)->data() + kBlocks * block_bytes, 0);
+    auto pending = client_->GetInto("named", Keys(0, kBlocks), format,
+                                    (*buffer)->span(), block_bytes);
+    EXPECT_TRUE(pending.ok()) << pending.status();
+    if (!pending.ok()) return {};
+    EXPECT_TRUE((*pending)->Wait().ok());
+    return std::vector<uint8_t>((*buffer)->data(),
+                                (*buffer)->data() + kBlocks * block_bytes);
+  };
+  const ucx::DataPlaneStats before = node_->data_plane()->Stats();
+  // The client has heard nothing of this node's mappings: it decodes.
+  const std::vector<uint8_t> first = read(ReadFormat::kFp16);
+  const ucx::DataPlaneStats named = node_->data_plane()->Stats();
+  EXPECT_EQ(named.blocks_decoded_into_destination, 0u);
+  if (!GetParam().tcp()) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(20);
+    while (node_->data_plane()->Stats().prefaulted_buffer_bytes -
+                   before.prefaulted_buffer_bytes <
+               kBufferBytes &&
+           absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    EXPECT_GE(node_->data_plane()->Stats().prefaulted_buffer_bytes -
+                  before.prefaulted_buffer_bytes,
+              kBufferBytes)
+        << "the node never faulted in the named buffer";
+  }
+  // Over shared memory the node decodes the next read into the buffer,
+  // mapped already; over tcp the client decodes it again.
+  EXPECT_EQ(read(ReadFormat::kFp16), first);
+  ucx::DataPlaneStats after = node_->data_plane()->Stats();
+  EXPECT_EQ(after.blocks_decoded_into_destination,
+            GetParam().tcp() ? 0u : uint64_t{kBlocks});
+  EXPECT_EQ(after.buffer_bytes_populated_by_reads,
+            named.buffer_bytes_populated_by_reads);
+  // A raw read lands in the buffer itself, whose key the node has.
+  read(ReadFormat::kRaw);
+  after = node_->data_plane()->Stats();
+  EXPECT_EQ(after.buffer_keys, named.buffer_keys)
+      << "the node had not kept the named buffer's key";
+}
+
 // What the client learns about the node mapping its buffers comes from
 // reads into DataBuffers only: a read into memory registered for that read
 // alone (which UCX's shared memory does not map) neither asks nor counts,
@@ -1702,10 +1761,13 @@ class HeldReader {
   }
 
   // Sends ReadStart for `read_id` over a connection to the node's worker,
-  // asking for data messages into a fresh region of `bytes`.
+  // asking for data messages into a fresh region of `bytes`; with
+  // `named_id`, naming that buffer id for the region as well
+  // (kReadFlagNamesBuffer).
   absl::Status Start(const std::string& node_worker, uint64_t read_id,
                      const ucx::Token& token, uint32_t blocks,
-                     uint64_t block_bytes) {
+                     uint64_t block_bytes,
+                     std::optional<uint64_t> named_id = std::nullopt) {
     absl::Status status;
     RunOnLoop([&] {
       bool peer_errors = false;
@@ -1732,7 +1794,8 @@ class HeldReader {
       h.num_blocks = blocks;
       h.rkey_length = static_cast<uint32_t>(rkey->size());
       h.client_address_length = static_cast<uint32_t>(address_.size());
-      h.flags = ucx::kReadFlagBounded | ucx::kReadFlagMessages;
+      h.flags = ucx::kReadFlagBounded | ucx::kReadFlagMessages |
+                (named_id ? ucx::kReadFlagNamesBuffer : 0);
       std::string header = ucx::Encode(h);
       std::string message = header + *rkey;
       const uint64_t base = reinterpret_cast<uint64_t>(region_->data());
@@ -1742,6 +1805,16 @@ class HeldReader {
       message += address_;
       AppendLe(&message, base);
       AppendLe(&message, region_->size());
+      if (named_id) {
+        AppendLe(&message, *named_id);
+        AppendLe(&message, base);
+        AppendLe(&message, region_->size());
+        const auto key_length = static_cast<uint32_t>(rkey->size());
+        for (int i = 0; i < 4; ++i) {
+          message.push_back(static_cast<char>(key_length >> (8 * i)));
+        }
+        message += *rkey;
+      }
       ucx::SendEagerAm(ep_->get(), ucx::kAmReadStart, std::move(message),
                        header.size(), [](absl::Status) {});
       loop_->AddBusy(1);  // keep progressing: the node is waiting on us
@@ -1833,13 +1906,23 @@ class HeldReader {
     auto* self = static_cast<HeldReader*>(arg);
     auto h = ucx::DecodeReadStatus(
         absl::string_view(static_cast<const char*>(header), header_length));
-    if (h.ok() && h->layers_done >= h->num_layers) {
+    if (h.ok() && (h->layers_done >= h->num_layers || h->code != 0)) {
       std::lock_guard<std::mutex> lock(self->mu_);
       self->reported_ = true;
+      self->code_ = h->code;
       self->cv_.notify_all();
     }
     return UCS_OK;
   }
+
+ public:
+  // The reported read's absl::StatusCode (0: it succeeded).
+  int code() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return code_;
+  }
+
+ private:
   uint64_t block_bytes() const { return block_bytes_; }
 
  public:
@@ -1855,6 +1938,7 @@ class HeldReader {
   std::mutex mu_;
   std::condition_variable cv_;
   bool reported_ = false;  // guarded by mu_
+  int code_ = 0;           // guarded by mu_
 };
 
 // Over tcp a read goes as data messages, and a rendezvous piece is sent
@@ -1907,6 +1991,42 @@ TEST_P(UcxTest, BlocksStayPinnedUntilEveryDataMessageIsSent) {
         << "block " << b << " is not the bytes that were read";
   }
   ExpectNothingHeld(absl::Seconds(5));
+}
+
+// A read that names a buffer (kReadFlagNamesBuffer) of id 0, which no
+// long-lived buffer has, fails INVALID_ARGUMENT, the node keeps nothing of
+// it, and the blocks it asked for can still be read.
+TEST_P(UcxTest, AReadNamingABufferOfIdZeroFailsAndKeepsNothing) {
+  const kernels::BlockShape shape = LargeShape();
+  const uint64_t block_bytes = kernels::Fp16BlockBytes(shape);
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("badname", Codec::kNone, shape)).ok());
+  ASSERT_TRUE(PutChain(grpc_client_.get(), "badname", shape, 0, 1).ok());
+  const kvcache::v1::BeginReadResponse response =
+      BeginPlaneRead("badname", 0, 1, kvcache::v1::READ_FORMAT_RAW);
+  ASSERT_TRUE(response.has_data_plane());
+  ASSERT_TRUE(response.data_plane().keeps_named_buffers());
+  auto token = ucx::TokenFromBytes(response.data_plane().token());
+  ASSERT_TRUE(token.ok());
+  const uint32_t keys_before = node_->data_plane()->Stats().buffer_keys;
+  HeldReader reader;
+  reader.set_block_bytes(block_bytes);
+  ASSERT_TRUE(reader
+                  .Start(response.data_plane().worker_address(),
+                         response.read_id(), *token, 1, block_bytes,
+                         uint64_t{0})
+                  .ok());
+  ASSERT_TRUE(reader.WaitReported(absl::Seconds(10)));
+  EXPECT_EQ(reader.code(),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(node_->data_plane()->Stats().buffer_keys, keys_before);
+  ExpectNothingHeld(absl::Seconds(5));
+  std::vector<uint8_t> out(block_bytes);
+  auto again = client_->GetInto("badname", Keys(0, 1), ReadFormat::kFp16,
+                                absl::MakeSpan(out), block_bytes);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE((*again)->Wait().ok());
+  EXPECT_EQ(std::memcmp(out.data(), data_[0].data(), block_bytes), 0);
 }
 
 // A layer is reported only once the data messages sent before its status

@@ -235,6 +235,69 @@ TEST(WireBodyTest, ReadStartRefusesEveryOtherSizeAndWrappingBounds) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A read that names a buffer it does not land in (kReadFlagNamesBuffer)
+// carries the buffer's id, bounds and key after everything else, with or
+// without the read's own bounds; every other size, a named id of 0 and
+// named bounds that wrap are refused.
+TEST(WireBodyTest, ReadStartNamesABufferAndRefusesWhatDoesNotFit) {
+  ucx::ReadStartBody body = ReadStartBodyOf3();
+  body.named.buffer_id = 42;
+  body.named.base = 0x7000000;
+  body.named.length = uint64_t{1} << 30;
+  body.named.remote_key = "the named buffer's packed key";
+  for (uint8_t flags :
+       {ucx::kReadFlagNamesBuffer,
+        uint8_t(ucx::kReadFlagNamesBuffer | ucx::kReadFlagBounded)}) {
+    const ucx::Message m = ucx::EncodeReadStart(ReadStart(flags), body);
+    const ucx::ReadStartHeader h = *ucx::DecodeReadStart(
+        absl::string_view(m.bytes).substr(0, m.header_bytes));
+    const std::string data = m.bytes.substr(m.header_bytes);
+    const bool bounded = (flags & ucx::kReadFlagBounded) != 0;
+    EXPECT_EQ(data.size(), body.remote_key.size() + 8 * 3 +
+                               body.client_address.size() + (bounded ? 16 : 0) +
+                               28 + body.named.remote_key.size());
+    auto back = ucx::DecodeReadStartBody(h, data);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(back->destinations, body.destinations);
+    EXPECT_EQ(back->client_address, body.client_address);
+    EXPECT_EQ(back->region_length, bounded ? body.region_length : 0);
+    EXPECT_EQ(back->named.buffer_id, 42u);
+    EXPECT_EQ(back->named.base, body.named.base);
+    EXPECT_EQ(back->named.length, body.named.length);
+    EXPECT_EQ(back->named.remote_key, body.named.remote_key);
+    // The same bytes read without the flag, and cut or lengthened ones.
+    ucx::ReadStartHeader unflagged = h;
+    unflagged.flags &= ~ucx::kReadFlagNamesBuffer;
+    EXPECT_FALSE(ucx::DecodeReadStartBody(unflagged, data).ok());
+    for (size_t cut : {size_t{1}, body.named.remote_key.size(),
+                       body.named.remote_key.size() + 4,
+                       body.named.remote_key.size() + 28}) {
+      EXPECT_EQ(ucx::DecodeReadStartBody(h, data.substr(0, data.size() - cut))
+                    .status()
+                    .code(),
+                absl::StatusCode::kInvalidArgument)
+          << cut;
+    }
+    EXPECT_FALSE(ucx::DecodeReadStartBody(h, data + "x").ok());
+  }
+  for (auto spoil : {+[](ucx::ReadStartBody& b) { b.named.buffer_id = 0; },
+                     +[](ucx::ReadStartBody& b) {
+                       b.named.base = UINT64_MAX - 10;
+                       b.named.length = 11;
+                     }}) {
+    ucx::ReadStartBody bad = body;
+    spoil(bad);
+    const ucx::Message m =
+        ucx::EncodeReadStart(ReadStart(ucx::kReadFlagNamesBuffer), bad);
+    const ucx::ReadStartHeader h = *ucx::DecodeReadStart(
+        absl::string_view(m.bytes).substr(0, m.header_bytes));
+    EXPECT_EQ(ucx::DecodeReadStartBody(h, m.bytes.substr(m.header_bytes))
+                  .status()
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+}
+
 TEST(WireBodyTest, WritePullRoundTripsAndRefusesOtherSizes) {
   ucx::WritePullHeader h;
   h.write_id = 3;

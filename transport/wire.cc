@@ -91,6 +91,7 @@ constexpr size_t kReadDataSequencedBytes = kReadDataBytes + 4;
 constexpr uint64_t kWritePullEntryBytes = 4 + 8;
 constexpr uint64_t kDestinationBytes = 8;
 constexpr uint64_t kReadBoundsBytes = 8 + 8;
+constexpr uint64_t kNamedBufferBytes = 8 + 8 + 8 + 4;  // then its key
 
 absl::Status CheckPrefix(absl::string_view bytes, size_t want, unsigned kind,
                          Reader* r) {
@@ -360,6 +361,13 @@ Message EncodeReadStart(ReadStartHeader header, const ReadStartBody& body) {
     w.U64(body.region_base);
     w.U64(body.region_length);
   }
+  if ((header.flags & kReadFlagNamesBuffer) != 0) {
+    w.U64(body.named.buffer_id);
+    w.U64(body.named.base);
+    w.U64(body.named.length);
+    w.U32(static_cast<uint32_t>(body.named.remote_key.size()));
+    w.Bytes(body.named.remote_key);
+  }
   m.bytes += w.Take();
   return m;
 }
@@ -367,10 +375,22 @@ Message EncodeReadStart(ReadStartHeader header, const ReadStartBody& body) {
 absl::StatusOr<ReadStartBody> DecodeReadStartBody(const ReadStartHeader& h,
                                                   absl::string_view data) {
   const bool bounded = (h.flags & kReadFlagBounded) != 0;
+  const bool named = (h.flags & kReadFlagNamesBuffer) != 0;
   const uint64_t want =
       uint64_t{h.rkey_length} + kDestinationBytes * h.num_blocks +
       h.client_address_length + (bounded ? kReadBoundsBytes : 0);
-  if (data.size() != want) {
+  uint64_t named_key_length = 0;
+  if (named && data.size() >= want + kNamedBufferBytes) {
+    named_key_length = Reader(data.substr(want + kNamedBufferBytes - 4)).U32();
+  }
+  if (named && data.size() != want + kNamedBufferBytes + named_key_length) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "read request names ", h.num_blocks, " blocks, keys of ", h.rkey_length,
+        " + ", h.client_address_length, " bytes", bounded ? " with bounds" : "",
+        " and a named buffer in ", data.size(), " bytes; expected ",
+        want + kNamedBufferBytes, " plus its key (", named_key_length, ")"));
+  }
+  if (!named && data.size() != want) {
     return absl::InvalidArgumentError(absl::StrCat(
         "read request names ", h.num_blocks, " blocks and keys of ",
         h.rkey_length, " + ", h.client_address_length, " bytes",
@@ -388,6 +408,18 @@ absl::StatusOr<ReadStartBody> DecodeReadStartBody(const ReadStartHeader& h,
     body.region_length = r.U64();
     if (body.region_length > UINT64_MAX - body.region_base) {
       return absl::InvalidArgumentError("read region wraps the address space");
+    }
+  }
+  if (named) {
+    body.named.buffer_id = r.U64();
+    body.named.base = r.U64();
+    body.named.length = r.U64();
+    body.named.remote_key = r.View(r.U32());
+    if (body.named.buffer_id == 0) {
+      return absl::InvalidArgumentError("a named buffer with id 0");
+    }
+    if (body.named.length > UINT64_MAX - body.named.base) {
+      return absl::InvalidArgumentError("named buffer wraps the address space");
     }
   }
   return body;

@@ -17,7 +17,18 @@
 //                  then, when the header's flags say so (kReadFlagBounded:
 //                  to nodes that offer DataPlaneInfo.bounded_reads), the
 //                  region's base address and length (u64 each): the node
-//                  refuses a destination outside them.
+//                  refuses a destination outside them; then, with
+//                  kReadFlagNamesBuffer (to nodes that offer
+//                  DataPlaneInfo.keeps_named_buffers), a long-lived client
+//                  buffer the read does not land in: its id, base address
+//                  and length (u64 each), the length of its packed remote
+//                  key (u32) and that key. The node keeps the key as it
+//                  keeps a read's own buffer's and, where it maps the buffer
+//                  (shared memory), faults its mapping in ahead of the reads
+//                  that will land there. A client that decodes a read
+//                  itself lands it in a pooled buffer and names the
+//                  DataBuffer it decodes into, which later reads that the
+//                  node decodes into it land in directly.
 //   kAmWritePull   client -> node  header WritePullHeader, data = the packed
 //                  remote key of a long-lived client buffer (a DataBuffer)
 //                  holding fp16 blocks of write `write_id`, then per block
@@ -162,6 +173,9 @@ inline constexpr uint8_t kReadFlagSequenced = 8;
 // ReadStatusHeader::has_delivery. Only to nodes that advertise it
 // (DataPlaneInfo.decodes_into_destination); others refuse unknown flags.
 inline constexpr uint8_t kReadFlagReportMapped = 16;
+// The body ends with a named buffer (ReadStartBody::named). Only to nodes
+// that advertise it (DataPlaneInfo.keeps_named_buffers).
+inline constexpr uint8_t kReadFlagNamesBuffer = 32;
 
 struct ReleaseBufferHeader {
   uint64_t buffer_id = 0;
@@ -223,13 +237,21 @@ absl::StatusOr<ReadDataHeader> DecodeReadData(absl::string_view bytes);
 
 // kAmReadStart: the packed remote key of the destination region, one u64
 // destination address per block, the client's worker address, then (with
-// kReadFlagBounded in the header's flags) the region's base and length.
+// kReadFlagBounded in the header's flags) the region's base and length,
+// then (with kReadFlagNamesBuffer) a named buffer.
+struct NamedBuffer {
+  uint64_t buffer_id = 0;  // never 0
+  uint64_t base = 0;
+  uint64_t length = 0;
+  absl::string_view remote_key;
+};
 struct ReadStartBody {
   absl::string_view remote_key;
   std::vector<uint64_t> destinations;
   absl::string_view client_address;
   uint64_t region_base = 0;  // kReadFlagBounded only
   uint64_t region_length = 0;
+  NamedBuffer named;  // kReadFlagNamesBuffer only
 };
 
 // kAmWritePull: the packed remote key of the client's buffer, per block its
@@ -252,14 +274,15 @@ struct Message {
 };
 // The header's counts and lengths (num_blocks, rkey_length,
 // client_address_length) are taken from `body`; its flags decide whether
-// the bounds are sent.
+// the bounds and the named buffer are sent.
 Message EncodeReadStart(ReadStartHeader header, const ReadStartBody& body);
 Message EncodeWritePull(WritePullHeader header, const WritePullBody& body);
 
 // The body that follows `header`, as views into `data` (which must outlive
 // them). INVALID_ARGUMENT when the size of `data` is not exactly what the
-// header's counts, lengths and flags say, or the region's bounds wrap the
-// address space.
+// header's counts, lengths and flags say (a named buffer's key length
+// included), the region's or the named buffer's bounds wrap the address
+// space, or the named buffer's id is 0.
 absl::StatusOr<ReadStartBody> DecodeReadStartBody(const ReadStartHeader& header,
                                                   absl::string_view data);
 absl::StatusOr<WritePullBody> DecodeWritePullBody(const WritePullHeader& header,

@@ -565,9 +565,17 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
     const NodeAddress& address, uint64_t read_id, const Token& token,
     std::shared_ptr<MemoryRegion> region,
     const std::vector<uint64_t>& destinations, uint32_t num_layers,
-    bool per_layer, uint64_t buffer_id) {
+    bool per_layer, uint64_t buffer_id, NamedRegion named) {
   absl::StatusOr<std::string> rkey = region->PackRemoteKey();
   if (!rkey.ok()) return rkey.status();
+  std::string named_rkey;
+  const bool names = address.keeps_named_buffers && named.buffer_id != 0 &&
+                     named.buffer_id != buffer_id && named.region != nullptr;
+  if (names) {
+    absl::StatusOr<std::string> packed = named.region->PackRemoteKey();
+    if (!packed.ok()) return packed.status();
+    named_rkey = *std::move(packed);
+  }
   ReadStartHeader h;
   h.read_id = read_id;
   h.token = token;
@@ -576,7 +584,8 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
             (address.bounded_reads ? kReadFlagBounded : 0) |
             (address.message_reads ? kReadFlagMessages : 0) |
             (sequenced ? kReadFlagSequenced : 0) |
-            (LearnsMapping(address, buffer_id) ? kReadFlagReportMapped : 0);
+            (LearnsMapping(address, buffer_id) ? kReadFlagReportMapped : 0) |
+            (names ? kReadFlagNamesBuffer : 0);
   h.buffer_id = buffer_id;
   ReadStartBody body;
   body.remote_key = *rkey;
@@ -584,6 +593,12 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   body.client_address = worker_address_;
   body.region_base = reinterpret_cast<uint64_t>(region->data());
   body.region_length = region->size();
+  if (names) {
+    body.named.buffer_id = named.buffer_id;
+    body.named.base = reinterpret_cast<uint64_t>(named.region->data());
+    body.named.length = named.region->size();
+    body.named.remote_key = named_rkey;
+  }
   // Kept by the operation until it completes.
   Message message = EncodeReadStart(h, body);
   auto state = std::make_shared<ReadState>();

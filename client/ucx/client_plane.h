@@ -72,6 +72,9 @@ struct NodeAddress {
   // (DataPlaneInfo.decodes_into_destination): reads ask it to say
   // (kReadFlagReportMapped), see MapsDestinations.
   bool decodes_into_destination = false;
+  // A read may name a long-lived buffer it does not land in
+  // (DataPlaneInfo.keeps_named_buffers, kReadFlagNamesBuffer).
+  bool keeps_named_buffers = false;
   // The node's UCX TCP segment sizes (DataPlaneInfo.tcp_*_seg_bytes; zero:
   // no TCP, or a node that does not say). A node whose sizes and this
   // process's would abort one side is not connected to: UNAVAILABLE.
@@ -99,6 +102,13 @@ bool IsDataPlaneNotConnected(const absl::Status& status);
 // transfer on it completed (UNAVAILABLE). The call's bytes did not all
 // travel; it may be tried again once on a new connection.
 bool IsFreshConnectionReset(const absl::Status& status);
+
+// A long-lived buffer of this client's that a read names to the node
+// without landing in it (ClientPlane::StartRead).
+struct NamedRegion {
+  uint64_t buffer_id = 0;  // 0: none
+  const MemoryRegion* region = nullptr;
+};
 
 class ClientPlane {
  public:
@@ -153,11 +163,16 @@ class ClientPlane {
   // buffer_id: 0 when `region` is registered for this read only; else the
   // id of the long-lived buffer it is (the node may keep its key until
   // ReleaseBuffer).
+  // named: a long-lived buffer the read does not land in but later reads
+  // may (the DataBuffer a read landed in a pooled buffer is decoded into),
+  // named to nodes that keep such buffers (NodeAddress::keeps_named_buffers)
+  // so that they map it ahead of those reads; ignored otherwise, or when
+  // its id is 0 or buffer_id's.
   absl::StatusOr<std::unique_ptr<Read>> StartRead(
       const NodeAddress& address, uint64_t read_id, const Token& token,
       std::shared_ptr<MemoryRegion> region,
       const std::vector<uint64_t>& destinations, uint32_t num_layers,
-      bool per_layer, uint64_t buffer_id = 0);
+      bool per_layer, uint64_t buffer_id = 0, NamedRegion named = {});
 
   // What the last successful read from the node of `node_key`
   // (NodeAddress::key) into a long-lived buffer (buffer_id != 0: a

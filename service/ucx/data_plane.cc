@@ -1165,6 +1165,23 @@ DataPlane::PrefaultClientBuffer(std::shared_ptr<RemoteKey> key, uint64_t base,
   return progress;
 }
 
+absl::Status DataPlane::KeepNamedBuffer(Connection* conn,
+                                        const NamedBuffer& named) {
+  bool kept_new = false;
+  absl::StatusOr<std::shared_ptr<RemoteKey>> key =
+      ClientKey(conn, named.buffer_id, named.remote_key, &kept_new);
+  if (!key.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the read's named buffer has a bad remote key: ",
+                     key.status().message()));
+  }
+  if (kept_new) {
+    conn->buffer_keys[named.buffer_id].prefault =
+        PrefaultClientBuffer(*std::move(key), named.base, named.length);
+  }
+  return absl::OkStatus();
+}
+
 void DataPlane::PopulateAhead(const BufferPrefault* prefault, uint8_t* out,
                               uint64_t length) {
   if (prefault == nullptr || prefault->ended.load(std::memory_order_acquire)) {
@@ -1225,7 +1242,8 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
   }
   const size_t blocks = session->result.blocks.size();
   if ((h->flags & ~(kReadFlagPerLayer | kReadFlagBounded | kReadFlagMessages |
-                    kReadFlagSequenced | kReadFlagReportMapped)) != 0) {
+                    kReadFlagSequenced | kReadFlagReportMapped |
+                    kReadFlagNamesBuffer)) != 0) {
     FinishRead(session, absl::InvalidArgumentError(absl::StrCat(
                             "read request with unknown flags ", h->flags)));
     return;
@@ -1283,6 +1301,12 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
     session->prefault = kept->second.prefault;
   }
   session->rkey = *std::move(rkey);
+  if ((h->flags & kReadFlagNamesBuffer) != 0) {
+    if (absl::Status st = KeepNamedBuffer(conn, body->named); !st.ok()) {
+      FinishRead(session, st);
+      return;
+    }
+  }
   const bool by_messages = (h->flags & kReadFlagMessages) != 0 && blocks > 0 &&
                            options_.read_delivery == ReadDelivery::kAuto &&
                            !PutsAreNative(conn, *session->rkey, remote[0]);

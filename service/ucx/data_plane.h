@@ -52,14 +52,16 @@
 //    (kvcache::DataBuffer, ReadStartHeader::buffer_id) is kept for later
 //    reads into that buffer on the same connection, until the client
 //    releases the buffer (kAmReleaseBuffer) or the connection ends, at most
-//    kMaxBufferKeys per connection. Unpacking a key maps the client's
-//    segment on shared memory, a page fault per page on first touch; doing
-//    that for every read cost 5x the read's throughput. When the node first
-//    keeps such a key and the buffer is mapped into the node (shared
-//    memory), a background thread faults the whole mapping in at once
-//    (PrefaultClientBuffer), so the first reads into it are not charged a
-//    fault per 4 KiB page; a read that comes to a part of it before the
-//    prefault does faults that part in itself, in one call
+//    kMaxBufferKeys per connection; so is the key of a buffer that a read
+//    names without landing in it (kReadFlagNamesBuffer: the DataBuffer a
+//    client decodes a read into), ahead of the reads that will land there.
+//    Unpacking a key maps the client's segment on shared memory, a page fault
+//    per page on first touch; doing that for every read cost 5x the read's
+//    throughput. When the node first keeps such a key and the buffer is mapped
+//    into the node (shared memory), a background thread faults the whole
+//    mapping in at once (PrefaultClientBuffer), so the first reads into it are
+//    not charged a fault per 4 KiB page; a read that comes to a part of it
+//    before the prefault does faults that part in itself, in one call
 //    (PopulateAhead). Puts into it still
 //    happen only for reads whose token the client presented.
 //
@@ -407,6 +409,10 @@ class DataPlane {
   // nothing, and null.
   std::shared_ptr<const BufferPrefault> PrefaultClientBuffer(
       std::shared_ptr<RemoteKey> key, uint64_t base, uint64_t length);
+  // A read's named buffer (kReadFlagNamesBuffer): its key is kept as a
+  // read's own long-lived buffer's is (ClientKey), and prefaulted when first
+  // kept. INVALID_ARGUMENT for a key that does not unpack.
+  absl::Status KeepNamedBuffer(Connection* conn, const NamedBuffer& named);
   // Pool thread, before a copy or decode task writes [out, out + length)
   // of a client's mapped buffer: the part of it that the buffer's
   // prefault (`prefault`, null: none) has yet to reach is faulted in here,
