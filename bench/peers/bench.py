@@ -157,7 +157,11 @@ class Workers:
     def __init__(self, cfg: Config, rc: RunConfig, server, phases, workdir, tag):
         self.ctx = mp.get_context("spawn")
         self.queue = self.ctx.Queue()
-        self.events = {p: self.ctx.Event() for p in phases}
+        # "<phase>": start it; "check <phase>": every worker has timed it,
+        # so checking its reads (untimed, CPU-heavy) no longer competes with
+        # another worker's timed batches.
+        self.events = {e: self.ctx.Event()
+                       for p in phases for e in (p, f"check {p}")}
         self.timeout_s = cfg.phase_timeout_s
         self.server = server
         self.logs = []
@@ -258,6 +262,7 @@ def run_one(cfg: Config, rc: RunConfig, rnd: int, workdir: str) -> dict:
                 workers.events[phase].set()
                 timed = workers.collect("timed", phase)
                 cpu1 = server.cpu_seconds()
+                workers.events[f"check {phase}"].set()
                 if phase == "put":
                     result["held_bytes"] = server.held_bytes() - held0
                     result["rss_bytes"] = server.rss_bytes() - rss0
