@@ -928,8 +928,12 @@ absl::Status Client::Impl::StartDecodedReadInto(
   // maps it ahead of the reads it will decode into it itself
   // (NodeDecodesInto).
   ucx::NamedRegion named;
+  uint64_t used = 0;  // the bytes of `dest` the read decodes into
+  for (const BlockPlacement& p : pending.placements) {
+    used = std::max<uint64_t>(used, p.offset + fp16_bytes);
+  }
   const std::shared_ptr<ucx::MemoryRegion> dest_region =
-      buffers.Holding(dest.data(), dest.size(), &named.buffer_id);
+      buffers.Holding(dest.data(), used, &named.buffer_id);
   named.region = dest_region.get();
   absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> transfer =
       StartRead(*ucx_plane, response, std::move(landing->region),

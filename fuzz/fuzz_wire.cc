@@ -77,6 +77,12 @@ void CheckReadStartBody(absl::string_view input) {
       body->region_length > UINT64_MAX - body->region_base) {
     Fail("DecodeReadStartBody accepted wrapping bounds", input);
   }
+  // A named buffer it accepts has an id and bounds that do not wrap.
+  if ((h->flags & kReadFlagNamesBuffer) != 0 &&
+      (body->named.buffer_id == 0 ||
+       body->named.length > UINT64_MAX - body->named.base)) {
+    Fail("DecodeReadStartBody accepted a bad named buffer", input);
+  }
   Message m = EncodeReadStart(*h, *body);
   if (m.header_bytes != header_bytes || m.bytes != bytes) {
     Fail("ReadStart header + body round trip", input);

@@ -67,6 +67,9 @@ void Wire() {
   read.flags = ucx::kReadFlagPerLayer | ucx::kReadFlagMessages;
   body.destinations = {0x20000};
   put(6, "read_start_per_layer", ucx::EncodeReadStart(read, body).bytes);
+  read.flags = ucx::kReadFlagBounded | ucx::kReadFlagNamesBuffer;
+  body.named = {5, 0x40000, 0x8000, "named-rkey"};
+  put(6, "read_start_named", ucx::EncodeReadStart(read, body).bytes);
   ucx::WritePullBody pull_body;
   pull_body.remote_key = "rkey";
   pull_body.blocks = {{0, 0x10000}, {1, 0x11000}};

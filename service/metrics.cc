@@ -270,6 +270,15 @@ class Metrics::DataPlaneCollector : public prometheus::Collectable {
             "Slices of reads sent: one per layer for a read "
             "layer by layer, one per block for a whole read.",
             g.read_slices_posted);
+    counter("kvcache_data_plane_prefaulted_buffer_bytes_total",
+            "Bytes of clients' long-lived buffers that the node mapped "
+            "(shared memory) and faulted in on a thread of its own when "
+            "it first kept their keys.",
+            g.prefaulted_buffer_bytes);
+    counter("kvcache_data_plane_buffer_bytes_populated_by_reads_total",
+            "Bytes of such buffers that reads faulted in themselves "
+            "because they came before that prefault did.",
+            g.buffer_bytes_populated_by_reads);
     return out;
   }
 

@@ -55,6 +55,8 @@ class Metrics {
     uint64_t reads_checked_while_copying = 0;
     uint64_t reads_checked_before_sending = 0;
     uint64_t read_slices_posted = 0;
+    uint64_t prefaulted_buffer_bytes = 0;
+    uint64_t buffer_bytes_populated_by_reads = 0;
   };
   // Without a source (no data plane) the kvcache_data_plane_* series are
   // absent.

@@ -121,6 +121,8 @@ absl::Status Node::StartDataPlane() {
     g.reads_checked_while_copying = s.reads_checked_while_copying;
     g.reads_checked_before_sending = s.reads_checked_before_sending;
     g.read_slices_posted = s.read_slices_posted;
+    g.prefaulted_buffer_bytes = s.prefaulted_buffer_bytes;
+    g.buffer_bytes_populated_by_reads = s.buffer_bytes_populated_by_reads;
     return g;
   });
   return absl::OkStatus();

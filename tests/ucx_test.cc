@@ -649,8 +649,10 @@ TEST_P(UcxTest, AReadAheadOfItsBuffersPrefaultFaultsInItsOwnDestination) {
   };
   read_last();
   ucx::DataPlaneStats stats = node_->data_plane()->Stats();
-  ASSERT_EQ(stats.prefaulted_buffer_bytes, 0u)
-      << "the prefault ended before the read: nothing to show";
+  if (stats.prefaulted_buffer_bytes != 0) {
+    GTEST_SKIP() << "the prefault of 2 GiB ended before a read of one "
+                    "block (a machine far too loaded): nothing to show";
+  }
   EXPECT_EQ(stats.buffer_bytes_populated_by_reads, block_bytes);
   const absl::Time give_up = absl::Now() + absl::Seconds(30);
   while (node_->data_plane()->Stats().prefaulted_buffer_bytes == 0 &&
@@ -662,6 +664,15 @@ TEST_P(UcxTest, AReadAheadOfItsBuffersPrefaultFaultsInItsOwnDestination) {
   EXPECT_EQ(node_->data_plane()->Stats().buffer_bytes_populated_by_reads,
             block_bytes)
       << "a read into a buffer already faulted in populated it again";
+  const std::string metrics = node_->metrics()->Render();
+  EXPECT_NE(metrics.find(absl::StrCat(
+                "kvcache_data_plane_buffer_bytes_populated_by_reads_total ",
+                block_bytes, "\n")),
+            std::string::npos);
+  EXPECT_NE(metrics.find(absl::StrCat(
+                "kvcache_data_plane_prefaulted_buffer_bytes_total ",
+                kBufferBytes, "\n")),
+            std::string::npos);
 }
 
 // A read that the client decodes itself lands in a pooled buffer and names

@@ -184,8 +184,8 @@ class Workers:
 
     def collect(self, kind: str, phase: str | None = None) -> list[tuple]:
         """One `kind` message from every worker (for `phase`), in worker order.
-        A worker may run ahead by one message (the "checked" of a put follows
-        its "timed" at once): later messages wait in self.pending. Raises
+        Messages of another kind or phase that arrive meanwhile wait in
+        self.pending. Raises
         BenchError on a worker's error, death, a dead server, or when the
         phase timeout passes."""
         def wanted(msg: tuple) -> bool:

@@ -569,8 +569,11 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   absl::StatusOr<std::string> rkey = region->PackRemoteKey();
   if (!rkey.ok()) return rkey.status();
   std::string named_rkey;
+  // Not to a node that said it does not map this client's buffers (tcp,
+  // RDMA): it would keep a key it never uses, and the read would carry it.
   const bool names = address.keeps_named_buffers && named.buffer_id != 0 &&
-                     named.buffer_id != buffer_id && named.region != nullptr;
+                     named.buffer_id != buffer_id && named.region != nullptr &&
+                     MapsDestinations(address.key()).value_or(true);
   if (names) {
     absl::StatusOr<std::string> packed = named.region->PackRemoteKey();
     if (!packed.ok()) return packed.status();

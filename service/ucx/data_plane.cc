@@ -91,8 +91,9 @@ struct DataPlane::Connection {
   absl::Time accepted;
   bool authenticated = false;
   // Remote keys of the client's long-lived buffers (ReadStartHeader::
-  // buffer_id), kept for later reads until kAmReleaseBuffer or the end of
-  // the connection; at most kMaxBufferKeys.
+  // buffer_id, or NamedBuffer::buffer_id of a read that names one), kept
+  // for later reads until kAmReleaseBuffer or the end of the connection;
+  // at most kMaxBufferKeys.
   struct BufferKey {
     std::string packed;
     std::shared_ptr<RemoteKey> key;
@@ -146,7 +147,9 @@ struct DataPlane::LayerDecoding {
 };
 
 // How far the background prefault of the node's mapping of a client's
-// buffer has come (PrefaultClientBuffer). Written by the prefault alone.
+// buffer has come (PrefaultClientBuffer). `first` and `length` are set
+// before the prefault starts; the atomics are written by the prefault
+// alone.
 struct DataPlane::BufferPrefault {
   uintptr_t first = 0;  // the mapping of [base, base + length)
   uint64_t length = 0;
@@ -1167,6 +1170,12 @@ DataPlane::PrefaultClientBuffer(std::shared_ptr<RemoteKey> key, uint64_t base,
 
 absl::Status DataPlane::KeepNamedBuffer(Connection* conn,
                                         const NamedBuffer& named) {
+  if (!conn->buffer_keys.contains(named.buffer_id) &&
+      conn->buffer_keys.size() >= kMaxBufferKeys) {
+    // It would not be kept: unpacking it (on shared memory, attaching the
+    // client's segment) would be work thrown away on every such read.
+    return absl::OkStatus();
+  }
   bool kept_new = false;
   absl::StatusOr<std::shared_ptr<RemoteKey>> key =
       ClientKey(conn, named.buffer_id, named.remote_key, &kept_new);
@@ -1283,29 +1292,10 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
     FinishRead(session, st);
     return;
   }
-  bool kept_new = false;
-  absl::StatusOr<std::shared_ptr<RemoteKey>> rkey =
-      ClientKey(conn, h->buffer_id, body->remote_key, &kept_new);
-  if (!rkey.ok()) {
-    FinishRead(session, rkey.status());
+  if (absl::Status st = AttachClientBuffers(conn, *h, *body, *session);
+      !st.ok()) {
+    FinishRead(session, st);
     return;
-  }
-  if (kept_new && (h->flags & kReadFlagBounded) != 0) {
-    conn->buffer_keys[h->buffer_id].prefault =
-        PrefaultClientBuffer(*rkey, body->region_base, body->region_length);
-  }
-  if (auto kept = conn->buffer_keys.find(h->buffer_id);
-      h->buffer_id != 0 && kept != conn->buffer_keys.end() &&
-      kept->second.key == *rkey && kept->second.prefault != nullptr &&
-      !kept->second.prefault->ended.load(std::memory_order_acquire)) {
-    session->prefault = kept->second.prefault;
-  }
-  session->rkey = *std::move(rkey);
-  if ((h->flags & kReadFlagNamesBuffer) != 0) {
-    if (absl::Status st = KeepNamedBuffer(conn, body->named); !st.ok()) {
-      FinishRead(session, st);
-      return;
-    }
   }
   const bool by_messages = (h->flags & kReadFlagMessages) != 0 && blocks > 0 &&
                            options_.read_delivery == ReadDelivery::kAuto &&
@@ -1315,6 +1305,31 @@ void DataPlane::HandleReadStart(Connection* conn, absl::string_view header,
   session->report_mapped = (h->flags & kReadFlagReportMapped) != 0;
   StartPuts(session, conn, std::move(remote),
             (h->flags & kReadFlagPerLayer) != 0, by_messages);
+}
+
+absl::Status DataPlane::AttachClientBuffers(Connection* conn,
+                                            const ReadStartHeader& h,
+                                            const ReadStartBody& body,
+                                            ReadSession& session) {
+  bool kept_new = false;
+  absl::StatusOr<std::shared_ptr<RemoteKey>> rkey =
+      ClientKey(conn, h.buffer_id, body.remote_key, &kept_new);
+  if (!rkey.ok()) return rkey.status();
+  if (kept_new && (h.flags & kReadFlagBounded) != 0) {
+    conn->buffer_keys[h.buffer_id].prefault =
+        PrefaultClientBuffer(*rkey, body.region_base, body.region_length);
+  }
+  if (auto kept = conn->buffer_keys.find(h.buffer_id);
+      h.buffer_id != 0 && kept != conn->buffer_keys.end() &&
+      kept->second.key == *rkey && kept->second.prefault != nullptr &&
+      !kept->second.prefault->ended.load(std::memory_order_acquire)) {
+    session.prefault = kept->second.prefault;
+  }
+  session.rkey = *std::move(rkey);
+  if ((h.flags & kReadFlagNamesBuffer) != 0) {
+    return KeepNamedBuffer(conn, body.named);
+  }
+  return absl::OkStatus();
 }
 
 bool DataPlane::PutsAreNative(Connection* conn, const RemoteKey& rkey,
@@ -1702,6 +1717,17 @@ struct CopyPiece {
 // the block as stored, as BeginRead's check did. The copy bypasses the
 // cache (StreamCopy): the destination is the client's, read by it later;
 // the caller fences before it reports the copy.
+// Adds [out, out + length) to `runs`, extending the last run when it ends
+// at `out`.
+void AddRun(std::vector<std::pair<uint8_t*, uint64_t>>& runs, uint8_t* out,
+            uint64_t length) {
+  if (!runs.empty() && runs.back().first + runs.back().second == out) {
+    runs.back().second += length;
+  } else {
+    runs.emplace_back(out, length);
+  }
+}
+
 std::optional<std::pair<size_t, uint32_t>> CopyAndCheck(
     absl::Span<const CopyPiece> pieces, const std::atomic<bool>& stop,
     bool* stopped) {
@@ -1763,13 +1789,7 @@ void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
     task_bytes += end - start;
     session->slice_bytes[slice] += end - start;
     if (session->prefault != nullptr) {
-      auto& runs = tasks.back().runs;
-      uint8_t* out = session->mapped[b] + start;
-      if (!runs.empty() && runs.back().first + runs.back().second == out) {
-        runs.back().second += end - start;
-      } else {
-        runs.emplace_back(out, end - start);
-      }
+      AddRun(tasks.back().runs, session->mapped[b] + start, end - start);
     }
     if (block.decode_later) {
       // Slices of a decoded block are whole fp16 layers (LayerEnds).
@@ -1807,6 +1827,7 @@ void DataPlane::CopySlice(const std::shared_ptr<ReadSession>& session,
     loop_->AddBusy(1);
     executor_([this, session, slice, task = std::move(task)] {
       for (const auto& [out, length] : task.runs) {
+        if (session->stop_copies.load(std::memory_order_relaxed)) break;
         PopulateAhead(session->prefault.get(), out, length);
       }
       bool stopped = false;

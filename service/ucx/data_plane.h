@@ -61,8 +61,8 @@
 //    into the node (shared memory), a background thread faults the whole
 //    mapping in at once (PrefaultClientBuffer), so the first reads into it are
 //    not charged a fault per 4 KiB page; a read that comes to a part of it
-//    before the prefault does faults that part in itself, in one call
-//    (PopulateAhead). Puts into it still
+//    before the prefault does faults that part in itself, one call per
+//    contiguous range it writes (PopulateAhead). Puts into it still
 //    happen only for reads whose token the client presented.
 //
 // Invariants:
@@ -214,9 +214,10 @@ struct DataPlaneStats {
   // memory) and faulted in at once when it first got their keys
   // (PrefaultClientBuffer), since the start.
   uint64_t prefaulted_buffer_bytes = 0;
-  // Of those buffers, the bytes that reads' copies and decodes faulted in
-  // themselves because they came to them before the prefault did
-  // (DataPlane::PopulateAhead), since the start.
+  // Of those buffers, the bytes that reads' copies and decodes asked to
+  // fault in themselves because they came to them before the prefault did
+  // (DataPlane::PopulateAhead), since the start; a page two reads asked
+  // for at once counts twice.
   uint64_t buffer_bytes_populated_by_reads = 0;
 };
 
@@ -407,11 +408,23 @@ class DataPlane {
   // their first pass, and returns how far it has come, for the reads into
   // the buffer meanwhile (PopulateAhead). Elsewhere (no mapping: tcp, RDMA)
   // nothing, and null.
+  // Loop thread (it keeps the result in conn->buffer_keys).
   std::shared_ptr<const BufferPrefault> PrefaultClientBuffer(
       std::shared_ptr<RemoteKey> key, uint64_t base, uint64_t length);
-  // A read's named buffer (kReadFlagNamesBuffer): its key is kept as a
-  // read's own long-lived buffer's is (ClientKey), and prefaulted when first
-  // kept. INVALID_ARGUMENT for a key that does not unpack.
+  // Loop thread, at ReadStart: the key of the read's destination (kept when
+  // it is a long-lived buffer's, and then prefaulted when first kept) into
+  // session.rkey, with the buffer's prefault while under way; then the key
+  // of the buffer the read names, if any (KeepNamedBuffer). An error ends
+  // the read.
+  absl::Status AttachClientBuffers(Connection* conn, const ReadStartHeader& h,
+                                   const ReadStartBody& body,
+                                   ReadSession& session);
+  // Loop thread: a read's named buffer (kReadFlagNamesBuffer): its key is
+  // kept as a read's own long-lived buffer's is (ClientKey), and prefaulted
+  // when first kept; nothing when the connection keeps kMaxBufferKeys keys
+  // already. A key that does not unpack is INVALID_ARGUMENT and fails the
+  // read, as a bad key for the read's own destination does: a client that
+  // sends one is broken, and would not be told otherwise.
   absl::Status KeepNamedBuffer(Connection* conn, const NamedBuffer& named);
   // Pool thread, before a copy or decode task writes [out, out + length)
   // of a client's mapped buffer: the part of it that the buffer's
@@ -419,7 +432,8 @@ class DataPlane {
   // in one call, rather than a page fault per 4 KiB page as the task
   // writes it (a fault per page cost the node's decodes more than the
   // decodes themselves on a fresh buffer). Nothing once the prefault has
-  // ended, so reads into a warm buffer pay nothing.
+  // ended, so reads into a warm buffer pay nothing. Counts the bytes asked
+  // for (buffer_bytes_populated_by_reads).
   void PopulateAhead(const BufferPrefault* prefault, uint8_t* out,
                      uint64_t length);
   // Whether puts over `conn` into the region of `rkey` are native: false
