@@ -732,6 +732,20 @@ TEST_P(UcxTest, AReadTheClientDecodesNamesItsBufferToTheNode) {
   after = node_->data_plane()->Stats();
   EXPECT_EQ(after.buffer_keys, named.buffer_keys)
       << "the node had not kept the named buffer's key";
+  // A read decoded into another buffer: over tcp, where the node has said
+  // that it does not map this client's buffers, the client no longer names
+  // it (the node would keep a key it never uses); over shared memory the
+  // node decodes into it, and keeps its key as the read's own.
+  // (Larger than the pooled landing buffer, so not that buffer again.)
+  auto other = client_->AllocateBuffer(size_t{16} << 20);
+  ASSERT_TRUE(other.ok()) << other.status();
+  auto pending = client_->GetInto("named", Keys(0, kBlocks), ReadFormat::kFp16,
+                                  (*other)->span(), block_bytes);
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  ASSERT_TRUE((*pending)->Wait().ok());
+  EXPECT_EQ(std::memcmp((*other)->data(), first.data(), first.size()), 0);
+  EXPECT_EQ(node_->data_plane()->Stats().buffer_keys,
+            named.buffer_keys + (GetParam().tcp() ? 0 : 1));
 }
 
 // What the client learns about the node mapping its buffers comes from
