@@ -137,6 +137,21 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     return client.ok() ? *std::move(client) : nullptr;
   }
 
+  // A node with one worker thread, block 0 (LargeShape, codec none) put
+  // under `ns`, and a fresh DataBuffer of `bytes` to read it into: the
+  // prefault tests' start. Null on a failure (reported).
+  std::unique_ptr<DataBuffer> OneBlockAndAFreshBuffer(const std::string& ns,
+                                                      size_t bytes) {
+    StartNode(256ull << 20, 64ull << 20, absl::Seconds(30),
+              /*worker_threads=*/1);
+    const kernels::BlockShape shape = LargeShape();
+    EXPECT_TRUE(client_->RegisterNamespace(Spec(ns, Codec::kNone, shape)).ok());
+    EXPECT_TRUE(PutChain(client_.get(), ns, shape, 0, 1).ok());
+    auto buffer = client_->AllocateBuffer(bytes);
+    EXPECT_TRUE(buffer.ok()) << buffer.status();
+    return buffer.ok() ? *std::move(buffer) : nullptr;
+  }
+
   NamespaceSpec Spec(const std::string& name, Codec codec,
                      kernels::BlockShape shape) {
     NamespaceSpec spec;
@@ -597,22 +612,18 @@ TEST_P(UcxTest, Fp16ReadsDecodedOnTheClientEqualTheNodesAndMoveRawBytes) {
 // 660 ms in the peers benchmark).
 TEST_P(UcxTest, AReadDoesNotWaitForItsBuffersPrefault) {
   if (GetParam().tcp()) GTEST_SKIP() << "the node maps no buffer over tcp";
-  StartNode(256ull << 20, 64ull << 20, absl::Seconds(30), /*worker_threads=*/1);
-  const kernels::BlockShape shape = LargeShape();
-  const size_t block_bytes = kernels::Fp16BlockBytes(shape);
-  ASSERT_TRUE(
-      client_->RegisterNamespace(Spec("prefault", Codec::kNone, shape)).ok());
-  ASSERT_TRUE(PutChain(client_.get(), "prefault", shape, 0, 1).ok());
+  const size_t block_bytes = kernels::Fp16BlockBytes(LargeShape());
   constexpr size_t kBufferBytes = size_t{2} << 30;
-  auto buffer = client_->AllocateBuffer(kBufferBytes);
-  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  std::unique_ptr<DataBuffer> buffer =
+      OneBlockAndAFreshBuffer("prefault", kBufferBytes);
+  ASSERT_NE(buffer, nullptr);
   auto read = client_->GetInto("prefault", Keys(0, 1), ReadFormat::kFp16,
-                               (*buffer)->span(), block_bytes);
+                               buffer->span(), block_bytes);
   ASSERT_TRUE(read.ok()) << read.status();
   ASSERT_TRUE((*read)->Wait().ok());
   EXPECT_EQ(node_->data_plane()->Stats().prefaulted_buffer_bytes, 0u)
       << "the read waited for the prefault of its whole buffer";
-  EXPECT_EQ(std::memcmp((*buffer)->data(), data_[0].data(), block_bytes), 0);
+  EXPECT_EQ(std::memcmp(buffer->data(), data_[0].data(), block_bytes), 0);
   // The prefault does end.
   const absl::Time give_up = absl::Now() + absl::Seconds(30);
   while (node_->data_plane()->Stats().prefaulted_buffer_bytes == 0 &&
@@ -628,18 +639,14 @@ TEST_P(UcxTest, AReadDoesNotWaitForItsBuffersPrefault) {
 // prefault has ended, reads into the buffer populate nothing.
 TEST_P(UcxTest, AReadAheadOfItsBuffersPrefaultFaultsInItsOwnDestination) {
   if (GetParam().tcp()) GTEST_SKIP() << "the node maps no buffer over tcp";
-  StartNode(256ull << 20, 64ull << 20, absl::Seconds(30), /*worker_threads=*/1);
-  const kernels::BlockShape shape = LargeShape();
-  const size_t block_bytes = kernels::Fp16BlockBytes(shape);
-  ASSERT_TRUE(
-      client_->RegisterNamespace(Spec("ahead", Codec::kNone, shape)).ok());
-  ASSERT_TRUE(PutChain(client_.get(), "ahead", shape, 0, 1).ok());
+  const size_t block_bytes = kernels::Fp16BlockBytes(LargeShape());
   constexpr size_t kBufferBytes = size_t{2} << 30;
-  auto buffer = client_->AllocateBuffer(kBufferBytes);
-  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  std::unique_ptr<DataBuffer> buffer =
+      OneBlockAndAFreshBuffer("ahead", kBufferBytes);
+  ASSERT_NE(buffer, nullptr);
   // The last block of the buffer, which the prefault reaches last.
   const absl::Span<uint8_t> last =
-      (*buffer)->span().subspan(kBufferBytes - block_bytes);
+      buffer->span().subspan(kBufferBytes - block_bytes);
   auto read_last = [&] {
     auto read = client_->GetInto("ahead", Keys(0, 1), ReadFormat::kFp16, last,
                                  block_bytes);

@@ -1117,6 +1117,11 @@ absl::Status DataPlane::EnsureClientEndpoint(Connection* conn,
   return absl::OkStatus();
 }
 
+bool DataPlane::KeepsKey(const Connection& conn, uint64_t buffer_id) {
+  return buffer_id != 0 && (conn.buffer_keys.contains(buffer_id) ||
+                            conn.buffer_keys.size() < kMaxBufferKeys);
+}
+
 absl::StatusOr<std::shared_ptr<RemoteKey>> DataPlane::ClientKey(
     Connection* conn, uint64_t buffer_id, absl::string_view packed,
     bool* kept_new) {
@@ -1132,8 +1137,7 @@ absl::StatusOr<std::shared_ptr<RemoteKey>> DataPlane::ClientKey(
       RemoteKey::Unpack(conn->out(), packed);
   if (!unpacked.ok()) return unpacked.status();
   std::shared_ptr<RemoteKey> key = *std::move(unpacked);
-  if (buffer_id != 0 && (kept != conn->buffer_keys.end() ||
-                         conn->buffer_keys.size() < kMaxBufferKeys)) {
+  if (KeepsKey(*conn, buffer_id)) {
     if (kept == conn->buffer_keys.end()) buffer_key_count_.fetch_add(1);
     conn->buffer_keys[buffer_id] = {std::string(packed), key, nullptr};
     *kept_new = true;
@@ -1170,8 +1174,7 @@ DataPlane::PrefaultClientBuffer(std::shared_ptr<RemoteKey> key, uint64_t base,
 
 absl::Status DataPlane::KeepNamedBuffer(Connection* conn,
                                         const NamedBuffer& named) {
-  if (!conn->buffer_keys.contains(named.buffer_id) &&
-      conn->buffer_keys.size() >= kMaxBufferKeys) {
+  if (!KeepsKey(*conn, named.buffer_id)) {
     // It would not be kept: unpacking it (on shared memory, attaching the
     // client's segment) would be work thrown away on every such read.
     return absl::OkStatus();
@@ -1710,13 +1713,6 @@ struct CopyPiece {
   uint64_t expected = 0;
 };
 
-// Copies the pieces in order; returns the first (block, layer) whose bytes
-// do not match their checksum (the task stops there), or nullopt. `stop`
-// ends it early (*stopped). The check hashes the stored bytes (the
-// source), from the cache right after their copy: what it vouches for is
-// the block as stored, as BeginRead's check did. The copy bypasses the
-// cache (StreamCopy): the destination is the client's, read by it later;
-// the caller fences before it reports the copy.
 // Adds [out, out + length) to `runs`, extending the last run when it ends
 // at `out`.
 void AddRun(std::vector<std::pair<uint8_t*, uint64_t>>& runs, uint8_t* out,
@@ -1728,6 +1724,13 @@ void AddRun(std::vector<std::pair<uint8_t*, uint64_t>>& runs, uint8_t* out,
   }
 }
 
+// Copies the pieces in order; returns the first (block, layer) whose bytes
+// do not match their checksum (the task stops there), or nullopt. `stop`
+// ends it early (*stopped). The check hashes the stored bytes (the
+// source), from the cache right after their copy: what it vouches for is
+// the block as stored, as BeginRead's check did. The copy bypasses the
+// cache (StreamCopy): the destination is the client's, read by it later;
+// the caller fences before it reports the copy.
 std::optional<std::pair<size_t, uint32_t>> CopyAndCheck(
     absl::Span<const CopyPiece> pieces, const std::atomic<bool>& stop,
     bool* stopped) {

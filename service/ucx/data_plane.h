@@ -394,6 +394,9 @@ class DataPlane {
   // the node's own to the client's worker for RMA (and remote keys).
   absl::Status EnsureClientEndpoint(Connection* conn,
                                     absl::string_view worker_address);
+  // Whether a key for `buffer_id` is (or would be) kept on `conn`: not 0,
+  // and already kept or under kMaxBufferKeys kept.
+  static bool KeepsKey(const Connection& conn, uint64_t buffer_id);
   // The unpacked remote key of a client region; a long-lived buffer's
   // (buffer_id != 0) is kept on the connection and reused. *kept_new:
   // whether this call unpacked a key that the connection now keeps.
