@@ -3364,6 +3364,21 @@ TEST_P(UcxTest, AStalledReceiveEndsByTheLeasesDeadline) {
         **worker, begun.data_plane().worker_address(),
         [](void*, ucp_ep_h, ucs_status_t) noexcept {}, nullptr, &peer_errors);
     ASSERT_TRUE(ep.ok()) << ep.status();
+    // Wired up first: then block 0's rendezvous request leaves from within
+    // ucp_am_send_nbx, and the sender need not progress after it.
+    bool flushed = false;
+    ucx::Operation::Start(
+        ucx::Operation::Kind::kSend,
+        [raw = (*ep)->get()](const ucp_request_param_t& param,
+                             absl::string_view) {
+          return ucp_ep_flush_nbx(raw, &param);
+        },
+        [&flushed](absl::Status) { flushed = true; });
+    for (const absl::Time until = absl::Now() + absl::Seconds(10);
+         !flushed && absl::Now() < until;) {
+      ucp_worker_progress((*worker)->get());
+    }
+    ASSERT_TRUE(flushed) << "the sender never connected";
     int sent = 0;
     bool block_sent = false;
     auto send = [&](uint32_t index, const std::vector<uint16_t>& bytes,
@@ -3396,12 +3411,21 @@ TEST_P(UcxTest, AStalledReceiveEndsByTheLeasesDeadline) {
         node_->data_plane()->Stats().blocks_received_in_place;
     send(0, block, UCP_AM_SEND_FLAG_RNDV);
     if (failed_first) send(1, short_block, UCP_AM_SEND_FLAG_EAGER);
-    // Progress until the node has posted its receive into block 0's pages,
-    // then no more.
-    const absl::Time until = absl::Now() + absl::Seconds(10);
-    while (node_->data_plane()->Stats().blocks_received_in_place == in_place &&
-           absl::Now() < until) {
-      ucp_worker_progress((*worker)->get());
+    // Wait, not progressing, for the node to post its receive into block
+    // 0's pages. A progress call that overlaps the node's post can carry
+    // the whole block (CI, once, when this loop progressed without pause:
+    // "the rendezvous ended"). Should the request not have left within the
+    // send, the sender progresses once per 100 ms until it is seen.
+    auto posted = [&] {
+      return node_->data_plane()->Stats().blocks_received_in_place != in_place;
+    };
+    for (const absl::Time until = absl::Now() + absl::Seconds(10);
+         !posted() && absl::Now() < until;) {
+      const absl::Time look = absl::Now() + absl::Milliseconds(100);
+      while (!posted() && absl::Now() < look) {
+        absl::SleepFor(absl::Milliseconds(1));
+      }
+      if (!posted()) ucp_worker_progress((*worker)->get());
     }
     ASSERT_EQ(node_->data_plane()->Stats().blocks_received_in_place,
               in_place + 1);
