@@ -389,6 +389,7 @@ absl::StatusOr<Client::Impl::Begun> Client::Impl::BeginRead(
     const CallScope& scope, bool decode_into_destination) {
   v1::BeginReadRequest request;
   request.set_namespace_name(ns);
+  request.set_namespace_fingerprint(FingerprintOf(ns));
   for (const std::string& k : keys) request.add_keys(k);
   request.set_format(read.format == ReadFormat::kRaw ? v1::READ_FORMAT_RAW
                                                      : v1::READ_FORMAT_FP16);
@@ -431,6 +432,21 @@ absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> Client::Impl::StartRead(
   return ucx_plane->StartRead(
       node, response.read_id(), *token, std::move(region), destinations,
       PlaneLayers(response), per_layer, buffer_id, named);
+}
+
+uint64_t Client::Impl::FingerprintOf(const std::string& ns) {
+  MutexLock lock(&fingerprints_mu);
+  auto it = fingerprints.find(ns);
+  return it == fingerprints.end() ? 0 : it->second;
+}
+
+void Client::Impl::SetFingerprint(const std::string& ns, uint64_t fingerprint) {
+  MutexLock lock(&fingerprints_mu);
+  if (fingerprint == 0) {
+    fingerprints.erase(ns);
+  } else {
+    fingerprints[ns] = fingerprint;
+  }
 }
 
 absl::Status Client::Impl::CheckInline(bool wanted,
@@ -606,6 +622,7 @@ absl::StatusOr<NamespaceInfo> Client::RegisterNamespace(
         return impl_->stub->RegisterNamespace(ctx, request, &response);
       });
   if (!st.ok()) return st;
+  impl_->SetFingerprint(spec.name, response.fingerprint());
   NamespaceInfo info;
   info.fingerprint = response.fingerprint();
   info.already_registered = response.already_registered();
@@ -620,6 +637,7 @@ absl::StatusOr<LookupResult> Client::Lookup(
     const CallOptions& call) {
   v1::LookupRequest request;
   request.set_namespace_name(ns);
+  request.set_namespace_fingerprint(impl_->FingerprintOf(ns));
   for (const std::string& k : keys) request.add_keys(k);
   request.set_pin(pin);
   v1::LookupResponse response;
@@ -1036,6 +1054,7 @@ absl::StatusOr<uint32_t> Client::Delete(const std::string& ns,
                                         const CallOptions& call) {
   v1::DeleteRequest request;
   request.set_namespace_name(ns);
+  request.set_namespace_fingerprint(impl_->FingerprintOf(ns));
   for (const std::string& k : keys) request.add_keys(k);
   v1::DeleteResponse response;
   absl::Status st =
@@ -1056,6 +1075,7 @@ absl::StatusOr<uint64_t> Client::DropNamespace(const std::string& ns,
         return impl_->stub->DropNamespace(ctx, request, &response);
       });
   if (!st.ok()) return st;
+  impl_->SetFingerprint(ns, 0);
   return response.blocks_dropped();
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -245,6 +246,16 @@ struct Client::Impl {
 
   Mutex pull_mu;
   absl::flat_hash_set<std::string> pull_refused ABSL_GUARDED_BY(pull_mu);
+
+  // The fingerprint of each namespace this client registered (until it
+  // drops it), sent with every call that names it: a node where the name
+  // has another spec since refuses the call (LookupRequest's
+  // namespace_fingerprint). 0 for a name this client did not register.
+  uint64_t FingerprintOf(const std::string& ns);
+  void SetFingerprint(const std::string& ns, uint64_t fingerprint);
+  Mutex fingerprints_mu;
+  absl::flat_hash_map<std::string, uint64_t> fingerprints
+      ABSL_GUARDED_BY(fingerprints_mu);
 
   // The node key (ucx::NodeAddress::key) of this client's last data-plane
   // read, for NodeDecodesInto.

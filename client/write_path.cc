@@ -141,6 +141,7 @@ absl::Status Client::Impl::BeginWrite(const std::string& ns,
                                       v1::BeginWriteResponse* response) {
   v1::BeginWriteRequest request;
   request.set_namespace_name(ns);
+  request.set_namespace_fingerprint(FingerprintOf(ns));
   request.set_use_data_plane(AskForDataPlane());
   request.set_data_plane_client(data_plane_client);
   for (size_t i = begin; i < end; ++i) {

@@ -54,6 +54,14 @@ std::vector<std::string> Keys(
   return std::vector<std::string>(keys.begin(), keys.end());
 }
 
+// The namespace a request names, with the fingerprint its caller
+// registered (0: unchecked).
+template <typename Request>
+store::NamespaceName NamespaceOf(const Request& request) {
+  return store::NamespaceName(request.namespace_name(),
+                              request.namespace_fingerprint());
+}
+
 absl::Duration Millis(uint32_t ms) { return absl::Milliseconds(ms); }
 
 // INVALID_ARGUMENT for a value outside the enum (a newer client's format
@@ -314,7 +322,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Lookup(
         Authorize(ctx, tenant, Role::kRead, &request->namespace_name());
     if (!caller.ok()) return caller.status();
     absl::StatusOr<store::LookupResult> r = store_->Lookup(
-        request->namespace_name(), Keys(request->keys()), request->pin(),
+        NamespaceOf(*request), Keys(request->keys()), request->pin(),
         Millis(request->pin_ttl_ms()), caller->holder());
     if (!r.ok()) return r.status();
     response->set_prefix_blocks(r->prefix_blocks);
@@ -336,7 +344,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginWrite(
       blocks.push_back({b.key(), b.parent_key()});
     }
     absl::StatusOr<store::BeginWriteResult> r =
-        store_->BeginWrite(request->namespace_name(), std::move(blocks),
+        store_->BeginWrite(NamespaceOf(*request), std::move(blocks),
                            Millis(request->lease_ttl_ms()), caller->holder());
     if (!r.ok()) return r.status();
     if (request->use_data_plane() && data_plane_ != nullptr) {
@@ -480,8 +488,8 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   // missing rather than failing the read mid-transfer.
   options.caller_verifies = !options.allow_missing;
   options.decode_later = decode_later;
-  absl::StatusOr<store::ReadResult> r = store_->BeginRead(
-      request->namespace_name(), Keys(request->keys()), options);
+  absl::StatusOr<store::ReadResult> r =
+      store_->BeginRead(NamespaceOf(*request), Keys(request->keys()), options);
   if (!r.ok()) return r.status();
   store::ReadClaim claim(store_, r->lease_id);
   DescribeRead(*r, response);
@@ -539,7 +547,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
     store::ReadOptions options = ReadOptionsFromProto(*request, *format);
     options.holder = caller->holder();
     absl::StatusOr<store::ReadResult> r = store_->BeginRead(
-        request->namespace_name(), Keys(request->keys()), options);
+        NamespaceOf(*request), Keys(request->keys()), options);
     if (!r.ok()) return r.status();
     DescribeRead(*r, response);
     uint64_t bytes = 0;
@@ -583,7 +591,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::Delete(
         Authorize(ctx, tenant, Role::kWrite, &request->namespace_name());
     if (!caller.ok()) return caller.status();
     absl::StatusOr<uint32_t> n =
-        store_->Delete(request->namespace_name(), Keys(request->keys()));
+        store_->Delete(NamespaceOf(*request), Keys(request->keys()));
     if (!n.ok()) return n.status();
     response->set_deleted(*n);
     return absl::OkStatus();

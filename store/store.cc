@@ -586,14 +586,23 @@ absl::StatusOr<NamespaceInfo> Store::GetNamespace(
 }
 
 absl::StatusOr<Store::NamespaceRef> Store::FindNamespace(
-    const std::string& name) const {
+    NamespaceName name) const {
   MutexLock lock(&ns_mu_);
   for (uint32_t i = 0; i < slots_used_; ++i) {
     Namespace* ns = namespaces_[i].get();
-    if (!ns->dropped && ns->info.config.name == name) return NamespaceRef(ns);
+    if (ns->dropped || ns->info.config.name != name.name) continue;
+    if (name.fingerprint != 0 && name.fingerprint != ns->info.fingerprint) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "namespace '", EchoForError(name.name),
+          "' is registered here with another spec (fingerprint ",
+          absl::Hex(ns->info.fingerprint), ", the caller's ",
+          absl::Hex(name.fingerprint),
+          "): it was registered again since the caller registered it"));
+    }
+    return NamespaceRef(ns);
   }
-  return absl::NotFoundError(
-      absl::StrCat("namespace '", EchoForError(name), "' is not registered"));
+  return absl::NotFoundError(absl::StrCat(
+      "namespace '", EchoForError(name.name), "' is not registered"));
 }
 
 Store::NamespaceRef Store::RefById(uint16_t id) const {
@@ -962,7 +971,7 @@ absl::Status Store::CheckLeaseHolder(uint64_t lease_id, bool read,
 
 // ------------------------------------------------------------------- lookup
 
-absl::StatusOr<LookupResult> Store::Lookup(const std::string& ns_name,
+absl::StatusOr<LookupResult> Store::Lookup(NamespaceName ns_name,
                                            absl::Span<const std::string> keys,
                                            bool pin, absl::Duration ttl,
                                            uint32_t holder) {
@@ -1004,7 +1013,7 @@ absl::StatusOr<LookupResult> Store::Lookup(const std::string& ns_name,
 
 // -------------------------------------------------------------------- write
 
-absl::StatusOr<BeginWriteResult> Store::BeginWrite(const std::string& ns_name,
+absl::StatusOr<BeginWriteResult> Store::BeginWrite(NamespaceName ns_name,
                                                    std::vector<BlockRef> blocks,
                                                    absl::Duration ttl,
                                                    uint32_t holder) {
@@ -1847,7 +1856,7 @@ absl::Status Store::ReadPinnedBlocks(const Namespace& ns,
   return status;
 }
 
-absl::StatusOr<ReadResult> Store::BeginRead(const std::string& ns_name,
+absl::StatusOr<ReadResult> Store::BeginRead(NamespaceName ns_name,
                                             absl::Span<const std::string> keys,
                                             const ReadOptions& options) {
   if (absl::Status s = ValidateKeys(keys, options_.max_blocks_per_request);
@@ -1920,7 +1929,7 @@ absl::Status Store::DropCorruptReadBlock(uint64_t lease_id, size_t block) {
 
 // ------------------------------------------------------------------- delete
 
-absl::StatusOr<uint32_t> Store::Delete(const std::string& ns_name,
+absl::StatusOr<uint32_t> Store::Delete(NamespaceName ns_name,
                                        absl::Span<const std::string> keys) {
   if (absl::Status s = ValidateKeys(keys, options_.max_blocks_per_request);
       !s.ok()) {

@@ -167,6 +167,23 @@ struct NamespaceInfo {
   bool already_registered = false;
 };
 
+// A namespace as a call names it: by its name and, where the caller knows
+// it, by the fingerprint the name had when the caller registered it
+// (NamespaceInfo::fingerprint; 0: not checked). Where the name has another
+// fingerprint now (dropped and registered again with another spec, or a
+// node restarted and another client registered it first) the call is
+// FAILED_PRECONDITION: blocks are neither stored nor read, looked up or
+// deleted under a spec their caller did not register. Passed by value for
+// the length of one call: `name` is not kept.
+struct NamespaceName {
+  NamespaceName(const std::string& name) : name(name) {}  // NOLINT: implicit
+  NamespaceName(const char* name) : name(name) {}         // NOLINT: implicit
+  NamespaceName(absl::string_view name, uint64_t fingerprint)
+      : name(name), fingerprint(fingerprint) {}
+  absl::string_view name;
+  uint64_t fingerprint = 0;
+};
+
 struct BlockRef {
   std::string key;
   std::string parent_key;  // empty: none
@@ -348,7 +365,7 @@ class Store {
   // Longest cached prefix of `keys`. With pin, the prefix is pinned under a
   // read lease (released by EndLease, a BeginRead that takes it over, or
   // its TTL).
-  absl::StatusOr<LookupResult> Lookup(const std::string& ns,
+  absl::StatusOr<LookupResult> Lookup(NamespaceName ns,
                                       absl::Span<const std::string> keys,
                                       bool pin, absl::Duration ttl,
                                       uint32_t holder = 0);
@@ -357,7 +374,7 @@ class Store {
   // RESOURCE_EXHAUSTED when the pool cannot hold them even after evicting
   // every block that eviction may take (nothing is evicted when even all
   // unpinned blocks would not make room).
-  absl::StatusOr<BeginWriteResult> BeginWrite(const std::string& ns,
+  absl::StatusOr<BeginWriteResult> BeginWrite(NamespaceName ns,
                                               std::vector<BlockRef> blocks,
                                               absl::Duration ttl,
                                               uint32_t holder = 0);
@@ -427,7 +444,7 @@ class Store {
   // the others are copied (decoded) as usual. The caller must not use the
   // spans after EndLease or the lease's TTL. With caller_verifies as well,
   // such a block's payload is not checksummed here (see ReadOptions).
-  absl::StatusOr<ReadResult> BeginRead(const std::string& ns,
+  absl::StatusOr<ReadResult> BeginRead(NamespaceName ns,
                                        absl::Span<const std::string> keys,
                                        const ReadOptions& options);
   // Ends a read lease or a Lookup pin. FAILED_PRECONDITION for an unknown or
@@ -445,7 +462,7 @@ class Store {
   // unknown lease, INVALID_ARGUMENT for an index outside it.
   absl::Status DropCorruptReadBlock(uint64_t lease_id, size_t block);
 
-  absl::StatusOr<uint32_t> Delete(const std::string& ns,
+  absl::StatusOr<uint32_t> Delete(NamespaceName ns,
                                   absl::Span<const std::string> keys);
 
   // OK when `lease_id` names an open read lease (read) or write lease (not
@@ -524,8 +541,9 @@ class Store {
   absl::StatusOr<std::unique_ptr<Namespace>> MakeNamespace(
       NamespaceConfig config) const;
   // A live namespace by name, referenced (its slot stays while the
-  // reference lives). NOT_FOUND when none.
-  absl::StatusOr<NamespaceRef> FindNamespace(const std::string& name) const;
+  // reference lives). NOT_FOUND when none; FAILED_PRECONDITION when its
+  // fingerprint is not the one `name` states (see NamespaceName).
+  absl::StatusOr<NamespaceRef> FindNamespace(NamespaceName name) const;
   // A live namespace by slot (null when the slot is empty or dropped).
   NamespaceRef RefById(uint16_t id) const;
   // The namespace in slot `id`. Only for a caller that holds a reference

@@ -669,6 +669,98 @@ TEST_P(ClusterModeTest, KillingANodeMidWorkloadGivesOnlyMisses) {
   EXPECT_GT(cc->counters().unavailable_keys, 0u);
 }
 
+// A node replaced at the same address by one where another client
+// registered the namespace's name first, with another spec (a restarted
+// pod; the other client's spec wins there). A client that registered the
+// name itself neither stores nor reads its blocks under that spec: its
+// calls on the name fail FAILED_PRECONDITION, and the other client's
+// blocks stay as they were.
+TEST_P(ClusterModeTest, ANamespaceRegisteredAgainWithAnotherSpecIsRefused) {
+  std::unique_ptr<Client> mine = Direct(1);
+  ASSERT_NE(mine, nullptr);
+  ASSERT_TRUE(mine->RegisterNamespace(Spec("ns", Codec::kNone)).ok());
+  const std::vector<std::string> keys = Chain(0, 2);
+  const std::vector<uint16_t> first = Data(keys[0]), second = Data(keys[1]);
+  ASSERT_TRUE(mine->Put("ns", {{keys[0], "", first}}).ok());
+
+  nodes_[1].reset();
+  nodes_[1] = StartNode(ports_[1]);
+  std::unique_ptr<Client> theirs = Direct(1);
+  ASSERT_NE(theirs, nullptr);
+  ASSERT_TRUE(theirs->RegisterNamespace(Spec("ns", Codec::kFp8E4M3)).ok());
+  ASSERT_TRUE(theirs->Put("ns", {{keys[0], "", first}}).ok());
+
+  auto put = mine->Put("ns", {{keys[1], "", second}});
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kFailedPrecondition)
+      << put.status();
+  auto got = mine->Get("ns", {keys[0]});
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kFailedPrecondition)
+      << (got.ok() ? "read under the other spec" : got.status().ToString());
+  auto hit = mine->Lookup("ns", {keys[0]});
+  EXPECT_EQ(hit.status().code(), absl::StatusCode::kFailedPrecondition)
+      << hit.status();
+  auto deleted = mine->Delete("ns", {keys[0]});
+  EXPECT_EQ(deleted.status().code(), absl::StatusCode::kFailedPrecondition)
+      << deleted.status();
+  // Registered again, the name answers as it is: the conflict.
+  EXPECT_EQ(mine->RegisterNamespace(Spec("ns", Codec::kNone)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  auto kept = theirs->Lookup("ns", keys);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->prefix_blocks, 1u) << "only the other client's block";
+
+  // A client that never registered the name reads what is there.
+  std::unique_ptr<Client> reader = Direct(1);
+  EXPECT_TRUE(reader->Get("ns", {keys[0]}).ok());
+}
+
+// The same through the cluster client: a replaced node whose namespace has
+// another spec gives errors that say so, never KV decoded under that spec.
+TEST_P(ClusterModeTest, ANodeReplacedWithAnotherSpecGivesErrorsNotWrongKv) {
+  auto cc = ConnectAll();
+  ASSERT_NE(cc, nullptr);
+  ASSERT_TRUE(cc->RegisterNamespace(Spec("ns", Codec::kNone)).ok());
+  const std::string replaced = Id(1);
+  const int c = ChainWithAKeyOn(*cc, replaced, 0);
+  ASSERT_GE(c, 0);
+  const std::vector<std::string> keys = Chain(c);
+  ASSERT_TRUE(StoreChain(*cc, "ns", keys));
+
+  nodes_[1].reset();
+  nodes_[1] = StartNode(ports_[1]);
+  std::unique_ptr<Client> theirs = Direct(1);
+  ASSERT_NE(theirs, nullptr);
+  ASSERT_TRUE(theirs->RegisterNamespace(Spec("ns", Codec::kFp8E4M3)).ok());
+  std::vector<std::vector<uint16_t>> data;
+  for (const std::string& k : keys) data.push_back(Data(k));
+  std::vector<BlockWrite> writes;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (cc->OwnerOf(keys[i]) == replaced) {
+      writes.push_back({keys[i], "", data[i]});
+    }
+  }
+  ASSERT_TRUE(theirs->Put("ns", writes).ok());
+
+  // Until the cluster client has seen the node come back, its keys are
+  // unavailable; after, the node's answer is an error. Never other bytes.
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  bool refused = false;
+  while (!refused && absl::Now() < give_up) {
+    auto got = cc->Get("ns", keys);
+    if (got.ok()) {
+      const uint32_t cut = FirstOwnedBy(*cc, keys, replaced);
+      ASSERT_LE(got->prefix_blocks, cut) << "read under the other spec";
+      ExpectBytes(*got, keys);
+      absl::SleepFor(absl::Milliseconds(50));
+      continue;
+    }
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kFailedPrecondition)
+        << got.status();
+    refused = true;
+  }
+  EXPECT_TRUE(refused) << "the replaced node was never asked";
+}
+
 TEST_F(ClusterTest, AllNodesDownIsMissesNotErrors) {
   auto cc = ConnectAll();
   ASSERT_NE(cc, nullptr);

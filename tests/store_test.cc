@@ -1453,6 +1453,47 @@ bool Stored(Store* store, const std::string& ns, int i) {
   return r.ok() && r->prefix_blocks == 1;
 }
 
+// A call that states the fingerprint its caller registered touches the
+// namespace only while the name still has it: once the name is dropped and
+// registered again with another spec, Lookup, BeginWrite, BeginRead and
+// Delete are FAILED_PRECONDITION and leave the new namespace's blocks be.
+TEST(StoreOwnerTest, ACallNamingAnOldFingerprintIsRefused) {
+  auto store = MakeStore(1 << 20);
+  auto mine = store->RegisterNamespace(Config("a", Codec::kNone));
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  const NamespaceName as_mine("a", mine->fingerprint);
+  ASSERT_TRUE(store->DropNamespace("a").ok());
+  auto theirs = store->RegisterNamespace(Config("a", Codec::kFp8E4M3));
+  ASSERT_TRUE(theirs.ok()) << theirs.status();
+  ASSERT_NE(theirs->fingerprint, mine->fingerprint);
+  ASSERT_TRUE(WriteChain(store.get(), "a", 0, 2).ok());
+
+  const auto refused = absl::StatusCode::kFailedPrecondition;
+  EXPECT_EQ(store->Lookup(as_mine, Keys(0, 2), false, absl::Seconds(1))
+                .status()
+                .code(),
+            refused);
+  EXPECT_EQ(store->BeginWrite(as_mine, {{Key(5), ""}}, absl::Seconds(1))
+                .status()
+                .code(),
+            refused);
+  EXPECT_EQ(store->BeginRead(as_mine, Keys(0, 2), Copy(ReadFormat::kFp16))
+                .status()
+                .code(),
+            refused);
+  EXPECT_EQ(store->Delete(as_mine, Keys(0, 2)).status().code(), refused);
+  EXPECT_EQ(store->Stats().reserved_bytes, 0u);
+
+  const NamespaceName as_theirs("a", theirs->fingerprint);
+  auto hit = store->Lookup(as_theirs, Keys(0, 2), false, absl::Seconds(1));
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(hit->prefix_blocks, 2u);
+  EXPECT_TRUE(
+      store->BeginRead(as_theirs, Keys(0, 2), Copy(ReadFormat::kFp16)).ok());
+  EXPECT_TRUE(store->BeginRead("a", Keys(0, 2), Copy(ReadFormat::kFp16)).ok())
+      << "a call that states no fingerprint is not checked";
+}
+
 TEST(StoreOwnerTest, DropNamespaceFreesItsBlocksEndsItsLeasesAndItsSlot) {
   StoreOptions options;
   options.max_namespaces = 2;

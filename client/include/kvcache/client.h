@@ -344,7 +344,13 @@ class Client {
   Client& operator=(const Client&) = delete;
 
   // Idempotent for an identical spec; FAILED_PRECONDITION when the name is
-  // taken by a different layout or policy.
+  // taken by a different layout or policy. The client remembers the
+  // namespace's fingerprint (until it drops the namespace) and sends it with
+  // every Lookup, Put, Get and Delete on that name: where the name has
+  // another spec on the node since (the node restarted and another client
+  // registered the name first, or it was dropped and registered again),
+  // those calls fail with FAILED_PRECONDITION and touch nothing, rather than
+  // store, read or delete blocks under a spec this client did not register.
   absl::StatusOr<NamespaceInfo> RegisterNamespace(const NamespaceSpec& spec,
                                                   const CallOptions& call = {});
 
