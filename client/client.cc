@@ -1069,6 +1069,7 @@ absl::StatusOr<uint64_t> Client::DropNamespace(const std::string& ns,
                                                const CallOptions& call) {
   v1::DropNamespaceRequest request;
   request.set_namespace_name(ns);
+  request.set_namespace_fingerprint(impl_->FingerprintOf(ns));
   v1::DropNamespaceResponse response;
   absl::Status st =
       impl_->Rpc(impl_->Scope(call), [&](grpc::ClientContext* ctx) {

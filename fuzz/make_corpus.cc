@@ -256,6 +256,14 @@ void Rpcs() {
             .Add(6 | kPatch, end)
             .bytes());
 
+  // Calls that state a fingerprint "fuzz" does not have: refused.
+  v1::LookupRequest stale_lookup = lookup;
+  stale_lookup.set_namespace_fingerprint(0x5eedf00d);
+  v1::BeginReadRequest stale_read = read;
+  stale_read.set_namespace_fingerprint(0x5eedf00d);
+  Write("fuzz_rpc", "stale_fingerprint",
+        Calls().Add(1, stale_lookup).Add(5, stale_read).bytes());
+
   v1::BeginWriteRequest begin;
   begin.set_namespace_name("fuzz");
   v1::BlockRef* b = begin.add_blocks();

@@ -669,7 +669,7 @@ grpc::ServerUnaryReactor* KvCacheServiceImpl::DropNamespace(
         Authorize(ctx, tenant, Role::kWrite, &request->namespace_name());
     if (!caller.ok()) return caller.status();
     absl::StatusOr<store::DropResult> r =
-        store_->DropNamespace(request->namespace_name());
+        store_->DropNamespace(NamespaceOf(*request));
     if (!r.ok()) return r.status();
     response->set_blocks_dropped(r->blocks);
     response->set_freed_bytes(r->freed_bytes);

@@ -306,6 +306,10 @@ absl::Status ValidateKeys(absl::Span<const std::string> keys,
   return absl::OkStatus();
 }
 
+// A function of the spec alone, the same on every node and across
+// versions: clients state it with every call (NamespaceName) and every
+// block header binds it, so changing it makes every node refuse the calls
+// of clients that registered before, until they register again.
 uint64_t Fingerprint(const NamespaceConfig& c) {
   std::string s = absl::StrCat(
       c.name, "|", c.model, "|", c.revision, "|", c.tp_rank, "|",
@@ -585,20 +589,26 @@ absl::StatusOr<NamespaceInfo> Store::GetNamespace(
   return (*ns)->info;
 }
 
+absl::Status Store::CheckFingerprint(const Namespace& ns,
+                                     const NamespaceName& name) {
+  if (name.fingerprint == 0 || name.fingerprint == ns.info.fingerprint) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "namespace '", EchoForError(name.name),
+      "' is registered here with another spec (fingerprint ",
+      absl::Hex(ns.info.fingerprint), ", the caller's ",
+      absl::Hex(name.fingerprint),
+      "): it was registered again since the caller registered it"));
+}
+
 absl::StatusOr<Store::NamespaceRef> Store::FindNamespace(
     NamespaceName name) const {
   MutexLock lock(&ns_mu_);
   for (uint32_t i = 0; i < slots_used_; ++i) {
     Namespace* ns = namespaces_[i].get();
     if (ns->dropped || ns->info.config.name != name.name) continue;
-    if (name.fingerprint != 0 && name.fingerprint != ns->info.fingerprint) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "namespace '", EchoForError(name.name),
-          "' is registered here with another spec (fingerprint ",
-          absl::Hex(ns->info.fingerprint), ", the caller's ",
-          absl::Hex(name.fingerprint),
-          "): it was registered again since the caller registered it"));
-    }
+    if (absl::Status s = CheckFingerprint(*ns, name); !s.ok()) return s;
     return NamespaceRef(ns);
   }
   return absl::NotFoundError(absl::StrCat(
@@ -1957,22 +1967,26 @@ absl::StatusOr<uint32_t> Store::Delete(NamespaceName ns_name,
 
 // ------------------------------------------------------------------- drop
 
-absl::StatusOr<DropResult> Store::DropNamespace(const std::string& name) {
+absl::StatusOr<DropResult> Store::DropNamespace(NamespaceName name) {
   NamespaceRef ns;
   {
     // Found and marked in one step: no new call or lease finds it after.
     MutexLock lock(&ns_mu_);
     for (uint32_t i = 0; i < slots_used_ && !ns; ++i) {
       Namespace* candidate = namespaces_[i].get();
-      if (!candidate->dropped && candidate->info.config.name == name) {
-        ns = NamespaceRef(candidate);
-        candidate->dropped = true;
+      if (candidate->dropped || candidate->info.config.name != name.name) {
+        continue;
       }
+      if (absl::Status s = CheckFingerprint(*candidate, name); !s.ok()) {
+        return s;
+      }
+      ns = NamespaceRef(candidate);
+      candidate->dropped = true;
     }
   }
   if (!ns) {
-    return absl::NotFoundError(
-        absl::StrCat("namespace '", EchoForError(name), "' is not registered"));
+    return absl::NotFoundError(absl::StrCat(
+        "namespace '", EchoForError(name.name), "' is not registered"));
   }
   // Its leases end; a write being committed or staged ends with its call
   // (CommitWrite then stores nothing of a dropped namespace).

@@ -176,9 +176,12 @@ struct NamespaceInfo {
 // deleted under a spec their caller did not register. Passed by value for
 // the length of one call: `name` is not kept.
 struct NamespaceName {
-  NamespaceName(const std::string& name) : name(name) {}  // NOLINT: implicit
-  NamespaceName(const char* name) : name(name) {}         // NOLINT: implicit
-  NamespaceName(absl::string_view name, uint64_t fingerprint)
+  NamespaceName(  // NOLINT: implicit
+      const std::string& name ABSL_ATTRIBUTE_LIFETIME_BOUND)
+      : name(name) {}
+  NamespaceName(const char* name) : name(name) {}  // NOLINT: implicit
+  NamespaceName(absl::string_view name ABSL_ATTRIBUTE_LIFETIME_BOUND,
+                uint64_t fingerprint)
       : name(name), fingerprint(fingerprint) {}
   absl::string_view name;
   uint64_t fingerprint = 0;
@@ -477,8 +480,9 @@ class Store {
   // transfer, HoldReadLease, ends with the transfer; a write being
   // committed or staged stores nothing), its name is free for a new
   // registration at once and its slot once nothing refers to it. NOT_FOUND
-  // when it is not registered.
-  absl::StatusOr<DropResult> DropNamespace(const std::string& name);
+  // when it is not registered; FAILED_PRECONDITION (nothing dropped) when
+  // `name` states a fingerprint it does not have.
+  absl::StatusOr<DropResult> DropNamespace(NamespaceName name);
 
   // Sets (or, with a zero quota, clears) owner's limits; takes effect on
   // the next registration, reservation or eviction. INVALID_ARGUMENT for
@@ -544,6 +548,9 @@ class Store {
   // reference lives). NOT_FOUND when none; FAILED_PRECONDITION when its
   // fingerprint is not the one `name` states (see NamespaceName).
   absl::StatusOr<NamespaceRef> FindNamespace(NamespaceName name) const;
+  // FAILED_PRECONDITION when `name` states a fingerprint `ns` does not have.
+  static absl::Status CheckFingerprint(const Namespace& ns,
+                                       const NamespaceName& name);
   // A live namespace by slot (null when the slot is empty or dropped).
   NamespaceRef RefById(uint16_t id) const;
   // The namespace in slot `id`. Only for a caller that holds a reference

@@ -702,6 +702,9 @@ TEST_P(ClusterModeTest, ANamespaceRegisteredAgainWithAnotherSpecIsRefused) {
   auto deleted = mine->Delete("ns", {keys[0]});
   EXPECT_EQ(deleted.status().code(), absl::StatusCode::kFailedPrecondition)
       << deleted.status();
+  auto dropped = mine->DropNamespace("ns");
+  EXPECT_EQ(dropped.status().code(), absl::StatusCode::kFailedPrecondition)
+      << dropped.status();
   // Registered again, the name answers as it is: the conflict.
   EXPECT_EQ(mine->RegisterNamespace(Spec("ns", Codec::kNone)).status().code(),
             absl::StatusCode::kFailedPrecondition);
@@ -711,6 +714,7 @@ TEST_P(ClusterModeTest, ANamespaceRegisteredAgainWithAnotherSpecIsRefused) {
 
   // A client that never registered the name reads what is there.
   std::unique_ptr<Client> reader = Direct(1);
+  ASSERT_NE(reader, nullptr);
   EXPECT_TRUE(reader->Get("ns", {keys[0]}).ok());
 }
 
@@ -743,7 +747,9 @@ TEST_P(ClusterModeTest, ANodeReplacedWithAnotherSpecGivesErrorsNotWrongKv) {
 
   // Until the cluster client has seen the node come back, its keys are
   // unavailable; after, the node's answer is an error. Never other bytes.
-  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  // As long as RestartedNodeIsProbedAfterBackoffAndReregistered gives
+  // gRPC's reconnect backoff.
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
   bool refused = false;
   while (!refused && absl::Now() < give_up) {
     auto got = cc->Get("ns", keys);

@@ -1492,6 +1492,16 @@ TEST(StoreOwnerTest, ACallNamingAnOldFingerprintIsRefused) {
       store->BeginRead(as_theirs, Keys(0, 2), Copy(ReadFormat::kFp16)).ok());
   EXPECT_TRUE(store->BeginRead("a", Keys(0, 2), Copy(ReadFormat::kFp16)).ok())
       << "a call that states no fingerprint is not checked";
+  EXPECT_EQ(store->DropNamespace(as_mine).status().code(), refused);
+
+  // The fingerprint is the spec's: dropped and registered again the same,
+  // the name takes the calls that state the old one.
+  ASSERT_TRUE(store->DropNamespace(as_theirs).ok());
+  auto again = store->RegisterNamespace(Config("a", Codec::kFp8E4M3));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->fingerprint, theirs->fingerprint);
+  EXPECT_TRUE(
+      store->Lookup(as_theirs, Keys(0, 2), false, absl::Seconds(1)).ok());
 }
 
 TEST(StoreOwnerTest, DropNamespaceFreesItsBlocksEndsItsLeasesAndItsSlot) {

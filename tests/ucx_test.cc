@@ -34,6 +34,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/notification.h"
 #include "client/read_decode.h"
 #include "client/ucx/client_plane.h"
 #include "grpcpp/grpcpp.h"
@@ -877,6 +878,79 @@ TEST_P(UcxTest, ANodeThatMapsTheDestinationDecodesIntoIt) {
 // transfer starts, then sends them as it sends other copies, with the same
 // bytes. A block whose stored bytes were corrupted fails such a read with
 // DATA_LOSS, on either path, and is dropped; nothing is held after.
+// A read destroyed before the client's progress thread has sent it (a
+// loaded client: StartRead only queues the ReadStart there) is never sent,
+// and its destructor does not wait for that thread: no byte of it lands
+// after the destructor. The destructor used to take the read for one on a
+// connection where closing stops the node (kSettleGrace, then close); the
+// ReadStart went out before the close and, over shared memory, the node's
+// puts landed after the destructor (CI and a loaded rerun of
+// PausedNodeEndsCalls...: "block 0 was not all there when the read ended",
+// then SEGFAULT in ucp_put_handler, a put into freed memory).
+TEST_P(UcxTest, AReadDestroyedBeforeItIsSentLandsNothing) {
+  const kernels::BlockShape shape = LargeShape();
+  const size_t block_bytes = kernels::Fp16BlockBytes(shape);
+  constexpr int kBlocks = 4;
+  ASSERT_TRUE(
+      client_->RegisterNamespace(Spec("unsent", Codec::kNone, shape)).ok());
+  ASSERT_TRUE(PutChain(client_.get(), "unsent", shape, 0, kBlocks).ok());
+  auto plane = ucx::ClientPlane::Create();
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  // Starts a read of blocks [0, kBlocks) by hand into `heap`.
+  auto start_read = [&](std::vector<uint8_t>& heap)
+      -> absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> {
+    const kvcache::v1::BeginReadResponse response =
+        BeginPlaneRead("unsent", 0, kBlocks, kvcache::v1::READ_FORMAT_FP16);
+    auto region = (*plane)->Register(heap.data(), heap.size());
+    if (!region.ok()) return region.status();
+    std::vector<uint64_t> destinations;
+    for (int b = 0; b < kBlocks; ++b) {
+      destinations.push_back(reinterpret_cast<uint64_t>(heap.data()) +
+                             b * block_bytes);
+    }
+    auto token = ucx::TokenFromBytes(response.data_plane().token());
+    if (!token.ok()) return token.status();
+    return (*plane)->StartRead(AddressOf(response.data_plane()),
+                               response.read_id(), *token, *std::move(region),
+                               destinations, shape.num_layers,
+                               /*per_layer=*/false);
+  };
+  std::vector<uint8_t> unsent(kBlocks * block_bytes, 0xEE);
+  Notification go;
+  ASSERT_TRUE((*plane)->PostForTest(
+      [&go] { go.WaitForNotificationWithTimeout(absl::Seconds(30)); }));
+  auto read = start_read(unsent);
+  ASSERT_TRUE(read.ok()) << read.status();
+  Notification destroyed;
+  std::thread destroyer([&] {
+    read->reset();
+    destroyed.Notify();
+  });
+  EXPECT_TRUE(destroyed.WaitForNotificationWithTimeout(absl::Seconds(2)))
+      << "the destructor waited for the progress thread";
+  go.Notify();
+  destroyer.join();
+
+  // A read after it, on the same plane, lands; the first one's memory
+  // stays as it was.
+  std::vector<uint8_t> sent(kBlocks * block_bytes, 0);
+  auto next = start_read(sent);
+  ASSERT_TRUE(next.ok()) << next.status();
+  ASSERT_TRUE(
+      (*next)
+          ->WaitLayers(shape.num_layers, absl::Now() + absl::Seconds(20))
+          .ok());
+  for (int b = 0; b < kBlocks; ++b) {
+    EXPECT_EQ(std::memcmp(sent.data() + b * block_bytes, data_[b].data(),
+                          block_bytes),
+              0)
+        << "block " << b;
+  }
+  EXPECT_TRUE(std::all_of(unsent.begin(), unsent.end(), [](uint8_t v) {
+    return v == 0xEE;
+  })) << "a read destroyed before it was sent landed";
+}
+
 TEST_P(UcxTest, ADecodeTheNodeCannotMapGoesThroughStagingAndIsChecked) {
   const kernels::BlockShape shape = LargeShape();
   const size_t block_bytes = kernels::Fp16BlockBytes(shape);
@@ -3364,21 +3438,28 @@ TEST_P(UcxTest, AStalledReceiveEndsByTheLeasesDeadline) {
         **worker, begun.data_plane().worker_address(),
         [](void*, ucp_ep_h, ucs_status_t) noexcept {}, nullptr, &peer_errors);
     ASSERT_TRUE(ep.ok()) << ep.status();
-    // Wired up first: then block 0's rendezvous request leaves from within
+    // Wired up first (a flush, then 200 ms more of progress with nothing in
+    // flight, for the node's wire-up reply that names its endpoint): then
+    // block 0's rendezvous request normally leaves from within
     // ucp_am_send_nbx, and the sender need not progress after it.
-    bool flushed = false;
+    std::optional<absl::Status> flushed;
     ucx::Operation::Start(
         ucx::Operation::Kind::kSend,
         [raw = (*ep)->get()](const ucp_request_param_t& param,
                              absl::string_view) {
           return ucp_ep_flush_nbx(raw, &param);
         },
-        [&flushed](absl::Status) { flushed = true; });
+        [&flushed](absl::Status s) { flushed = s; });
     for (const absl::Time until = absl::Now() + absl::Seconds(10);
-         !flushed && absl::Now() < until;) {
+         !flushed.has_value() && absl::Now() < until;) {
       ucp_worker_progress((*worker)->get());
     }
-    ASSERT_TRUE(flushed) << "the sender never connected";
+    ASSERT_TRUE(flushed.has_value()) << "the sender never connected";
+    ASSERT_TRUE(flushed->ok()) << *flushed;
+    for (const absl::Time idle = absl::Now() + absl::Milliseconds(200);
+         absl::Now() < idle;) {
+      ucp_worker_progress((*worker)->get());
+    }
     int sent = 0;
     bool block_sent = false;
     auto send = [&](uint32_t index, const std::vector<uint16_t>& bytes,

@@ -199,6 +199,9 @@ struct ClientPlane::ReadState {
   uint32_t layers_done ABSL_GUARDED_BY(mu) = 0;
   bool finished ABSL_GUARDED_BY(mu) = false;  // done, failed, or closed
   bool detached ABSL_GUARDED_BY(mu) = false;  // no longer in a connection
+  // Set on the progress thread as the ReadStart goes out. A read abandoned
+  // before (SettleOrClose) is detached there and then, and never sent.
+  bool started ABSL_GUARDED_BY(mu) = false;
   // Closing the connection stops the node's puts (see
   // Connection::peer_errors); set when the read starts on a connection.
   bool close_stops_puts ABSL_GUARDED_BY(mu) = true;
@@ -629,6 +632,8 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
     }
     {
       MutexLock lock(&state->mu);
+      if (state->detached) return;  // abandoned before it started
+      state->started = true;
       state->close_stops_puts = (*conn)->peer_errors;
     }
     (*conn)->reads[token_bytes] = state;
@@ -642,6 +647,10 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   if (!posted) return absl::UnavailableError("the client is closing");
   return absl::WrapUnique(new Read(this, address.key(), std::move(state),
                                    std::move(region), num_layers));
+}
+
+bool ClientPlane::PostForTest(absl::AnyInvocable<void()> task) {
+  return loop_->Post(std::move(task));
 }
 
 void ClientPlane::ReleaseBuffer(uint64_t buffer_id) {
@@ -908,6 +917,18 @@ absl::Status ClientPlane::Read::SettleOrClose() {
   {
     MutexLock lock(&s->mu);
     if (s->detached) return absl::OkStatus();
+    if (!s->started) {
+      // Still queued for the progress thread, which sends nothing of a
+      // detached read: whatever the connection, no put will come.
+      if (!s->finished) {
+        s->status = absl::CancelledError(
+            "the data-plane read was abandoned before it started");
+        s->finished = true;
+      }
+      s->detached = true;
+      s->cv.SignalAll();
+      return absl::OkStatus();
+    }
     // Let the read end on its own first, so that no put lands after the
     // region goes without closing the connection other calls share:
     // briefly where closing stops the node's puts, longer where it does not

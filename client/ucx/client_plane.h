@@ -188,6 +188,11 @@ class ClientPlane {
   // (best effort; a connection's end drops it too). Does not wait.
   void ReleaseBuffer(uint64_t buffer_id);
 
+  // Runs `task` on the progress thread after what is queued there; false
+  // when the plane is closing. For tests: a task that blocks holds back
+  // the start of every read begun meanwhile.
+  bool PostForTest(absl::AnyInvocable<void()> task);
+
  private:
   struct Connection;
   struct ReadState;
@@ -281,8 +286,10 @@ class ClientPlane::Read {
   // The most statuses the read held at once, waiting for their data to land
   // (at most one per layer; for tests and diagnostics).
   uint32_t most_statuses_held() const;
-  // Destroying a Read that has not ended: on connections where closing
-  // stops the node (TCP, verbs) the read may end on its own for
+  // Destroying a Read that the progress thread has not sent yet (it starts
+  // there, StartRead only queues it) stops it from being sent: no byte of
+  // it lands. Destroying a Read that has not ended: on connections where
+  // closing stops the node (TCP, verbs) the read may end on its own for
   // kSettleGrace, then the connection is closed; on UCX
   // 1.13's shared memory, where it does not, the destructor first waits
   // (bounded by kAbandonGrace) for the node's final report, so that no put
