@@ -330,6 +330,19 @@ class ClusterTest : public ::testing::Test {
     return -1;
   }
 
+  // The client's view of its nodes and its counters, for failure messages.
+  static std::string Health(const ClusterClient& cc) {
+    std::string out;
+    for (const NodeStatus& n : cc.Nodes()) {
+      absl::StrAppend(&out, n.id, n.up ? " up" : " DOWN", " (",
+                      n.consecutive_failures, " failures); ");
+    }
+    const ClusterCounters c = cc.counters();
+    absl::StrAppend(&out, "retries ", c.retries, ", node failures ",
+                    c.node_failures);
+    return out;
+  }
+
   static NodeStatus StatusOf(const ClusterClient& cc, const std::string& id) {
     for (const NodeStatus& n : cc.Nodes()) {
       if (n.id == id) return n;
@@ -437,7 +450,8 @@ TEST_P(ClusterModeTest, PutLookupGetShardAcrossNodes) {
     std::vector<std::string> keys = Chain(c);
     auto put = PutChain(*cc, "ns", keys);
     ASSERT_TRUE(put.ok()) << put.status();
-    EXPECT_EQ(put->stored, static_cast<uint32_t>(kBlocksPerChain));
+    EXPECT_EQ(put->stored, static_cast<uint32_t>(kBlocksPerChain))
+        << Health(*cc) << ", " << put->why_not_stored;
     EXPECT_EQ(put->unavailable + put->rejected + put->skipped, 0u);
     EXPECT_TRUE(put->why_not_stored.ok()) << put->why_not_stored;
     for (const std::string& k : keys) ++owners[cc->OwnerOf(k)];
@@ -455,7 +469,8 @@ TEST_P(ClusterModeTest, PutLookupGetShardAcrossNodes) {
 
     auto got = cc->Get("ns", longer);
     ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_EQ(got->prefix_blocks, static_cast<uint32_t>(kBlocksPerChain));
+    EXPECT_EQ(got->prefix_blocks, static_cast<uint32_t>(kBlocksPerChain))
+        << Health(*cc) << ", unavailable keys " << got->unavailable_keys;
     ExpectBytes(*got, longer);
   }
   EXPECT_EQ(owners.size(), 3u) << "every node owns some of 36 keys";
