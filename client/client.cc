@@ -72,23 +72,6 @@ Codec CodecFromProto(v1::Codec codec) {
   return proto::CodecFromProto(codec).value_or(Codec::kNone);
 }
 
-// Sends one unary request with the callback API and forgets it: the call's
-// state is owned by its callback, gone once the answer (or `timeout`) is
-// in.
-template <typename Response, typename Request, typename Start>
-void SendCleanup(absl::Duration timeout, Request request, Start start) {
-  struct Call {
-    grpc::ClientContext ctx;
-    Request request;
-    Response response;
-  };
-  auto call = std::make_shared<Call>();
-  call->request = std::move(request);
-  call->ctx.set_deadline(GrpcDeadline(absl::Now() + timeout));
-  start(&call->ctx, &call->request, &call->response,
-        [call](grpc::Status) mutable { call.reset(); });
-}
-
 }  // namespace
 
 absl::Status internal::CallerCancelled() {
@@ -267,10 +250,16 @@ absl::Status Client::Impl::EndPulledWrite(uint64_t write_id) {
   }
 }
 
+Client::Impl::~Impl() {
+  // Before the channel goes: cleanup_calls.h's invariant. A cancelled
+  // call's callback runs within milliseconds; each ends by its deadline.
+  cleanups.CancelAndWait(kCleanupTimeout + absl::Seconds(1));
+}
+
 void Client::Impl::AbortWriteAsync(uint64_t write_id) {
   v1::AbortWriteRequest request;
   request.set_write_id(write_id);
-  SendCleanup<v1::AbortWriteResponse>(
+  cleanups.Send<v1::AbortWriteResponse>(
       std::min(options.timeout, kCleanupTimeout), std::move(request),
       [this](auto* ctx, auto* req, auto* resp,
              std::function<void(grpc::Status)> done) {
@@ -283,7 +272,7 @@ void Client::Impl::AbandonRead(uint64_t read_id) {
   if (read_id == 0) return;
   v1::EndReadRequest request;
   request.set_lease_id(read_id);
-  SendCleanup<v1::EndReadResponse>(
+  cleanups.Send<v1::EndReadResponse>(
       std::min(options.timeout, kCleanupTimeout), std::move(request),
       [this](auto* ctx, auto* req, auto* resp,
              std::function<void(grpc::Status)> done) {
@@ -440,13 +429,16 @@ uint64_t Client::Impl::FingerprintOf(const std::string& ns) {
   return it == fingerprints.end() ? 0 : it->second;
 }
 
-void Client::Impl::SetFingerprint(const std::string& ns, uint64_t fingerprint) {
+void Client::Impl::RememberFingerprint(const std::string& ns,
+                                       uint64_t fingerprint) {
+  if (fingerprint == 0) return ForgetFingerprint(ns);
   MutexLock lock(&fingerprints_mu);
-  if (fingerprint == 0) {
-    fingerprints.erase(ns);
-  } else {
-    fingerprints[ns] = fingerprint;
-  }
+  fingerprints[ns] = fingerprint;
+}
+
+void Client::Impl::ForgetFingerprint(const std::string& ns) {
+  MutexLock lock(&fingerprints_mu);
+  fingerprints.erase(ns);
 }
 
 absl::Status Client::Impl::CheckInline(bool wanted,
@@ -622,7 +614,7 @@ absl::StatusOr<NamespaceInfo> Client::RegisterNamespace(
         return impl_->stub->RegisterNamespace(ctx, request, &response);
       });
   if (!st.ok()) return st;
-  impl_->SetFingerprint(spec.name, response.fingerprint());
+  impl_->RememberFingerprint(spec.name, response.fingerprint());
   NamespaceInfo info;
   info.fingerprint = response.fingerprint();
   info.already_registered = response.already_registered();
@@ -1076,7 +1068,7 @@ absl::StatusOr<uint64_t> Client::DropNamespace(const std::string& ns,
         return impl_->stub->DropNamespace(ctx, request, &response);
       });
   if (!st.ok()) return st;
-  impl_->SetFingerprint(ns, 0);
+  impl_->ForgetFingerprint(ns);
   return response.blocks_dropped();
 }
 

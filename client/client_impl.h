@@ -24,6 +24,7 @@
 #include "absl/types/span.h"
 #include "base/mutex.h"
 #include "client/buffer_pool.h"
+#include "client/cleanup_calls.h"
 #include "client/ucx/client_plane.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/client.h"
@@ -65,6 +66,7 @@ struct Client::Impl {
                           ? std::string()
                           : "Bearer " + options.bearer_token),
         buffers(options.max_idle_buffer_bytes) {}
+  ~Impl();
 
   // ---- Calls and RPCs (client.cc)
 
@@ -232,6 +234,9 @@ struct Client::Impl {
   const uint64_t data_plane_client = internal::NewDataPlaneClientId();
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::KvCache::Stub> stub;
+  // AbortWriteAsync's and AbandonRead's calls; ~Impl cancels and waits for
+  // those still in flight.
+  internal::CleanupCalls cleanups;
 
   Mutex plane_mu;
   std::unique_ptr<ucx::ClientPlane> plane ABSL_GUARDED_BY(plane_mu);  // lazy
@@ -252,7 +257,10 @@ struct Client::Impl {
   // has another spec since refuses the call (LookupRequest's
   // namespace_fingerprint). 0 for a name this client did not register.
   uint64_t FingerprintOf(const std::string& ns);
-  void SetFingerprint(const std::string& ns, uint64_t fingerprint);
+  // A fingerprint of 0 (a node that states none) is forgotten: calls on
+  // `ns` then go unchecked.
+  void RememberFingerprint(const std::string& ns, uint64_t fingerprint);
+  void ForgetFingerprint(const std::string& ns);
   Mutex fingerprints_mu;
   absl::flat_hash_map<std::string, uint64_t> fingerprints
       ABSL_GUARDED_BY(fingerprints_mu);

@@ -243,6 +243,27 @@ class UcxTest : public ::testing::TestWithParam<Transport> {
     return response;
   }
 
+  // Starts, through `plane` and by hand, the read `response` began: its
+  // blocks land one after another in `heap`, `block_bytes` apart.
+  static absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>>
+  StartReadByHand(ucx::ClientPlane& plane,
+                  const kvcache::v1::BeginReadResponse& response,
+                  std::vector<uint8_t>& heap, size_t block_bytes,
+                  uint32_t num_layers, bool per_layer) {
+    auto region = plane.Register(heap.data(), heap.size());
+    if (!region.ok()) return region.status();
+    std::vector<uint64_t> destinations;
+    for (int b = 0; b < response.blocks_size(); ++b) {
+      destinations.push_back(reinterpret_cast<uint64_t>(heap.data()) +
+                             b * block_bytes);
+    }
+    auto token = ucx::TokenFromBytes(response.data_plane().token());
+    if (!token.ok()) return token.status();
+    return plane.StartRead(AddressOf(response.data_plane()), response.read_id(),
+                           *token, *std::move(region), destinations, num_layers,
+                           per_layer);
+  }
+
   // Waits (bounded) until the node holds no data-plane state at all.
   void ExpectNothingHeld(absl::Duration within) {
     absl::Time deadline = absl::Now() + within;
@@ -872,12 +893,6 @@ TEST_P(UcxTest, ANodeThatMapsTheDestinationDecodesIntoIt) {
   ExpectNothingHeld(absl::Seconds(5));
 }
 
-// decode_into_destination where the node cannot map the destination (tcp;
-// memory a client registered for one read, which UCX's shared memory does
-// not map): the node decodes the encoded blocks into staging when the
-// transfer starts, then sends them as it sends other copies, with the same
-// bytes. A block whose stored bytes were corrupted fails such a read with
-// DATA_LOSS, on either path, and is dropped; nothing is held after.
 // A read destroyed before the client's progress thread has sent it (a
 // loaded client: StartRead only queues the ReadStart there) is never sent,
 // and its destructor does not wait for that thread: no byte of it lands
@@ -897,23 +912,11 @@ TEST_P(UcxTest, AReadDestroyedBeforeItIsSentLandsNothing) {
   auto plane = ucx::ClientPlane::Create();
   ASSERT_TRUE(plane.ok()) << plane.status();
   // Starts a read of blocks [0, kBlocks) by hand into `heap`.
-  auto start_read = [&](std::vector<uint8_t>& heap)
-      -> absl::StatusOr<std::unique_ptr<ucx::ClientPlane::Read>> {
-    const kvcache::v1::BeginReadResponse response =
-        BeginPlaneRead("unsent", 0, kBlocks, kvcache::v1::READ_FORMAT_FP16);
-    auto region = (*plane)->Register(heap.data(), heap.size());
-    if (!region.ok()) return region.status();
-    std::vector<uint64_t> destinations;
-    for (int b = 0; b < kBlocks; ++b) {
-      destinations.push_back(reinterpret_cast<uint64_t>(heap.data()) +
-                             b * block_bytes);
-    }
-    auto token = ucx::TokenFromBytes(response.data_plane().token());
-    if (!token.ok()) return token.status();
-    return (*plane)->StartRead(AddressOf(response.data_plane()),
-                               response.read_id(), *token, *std::move(region),
-                               destinations, shape.num_layers,
-                               /*per_layer=*/false);
+  auto start_read = [&](std::vector<uint8_t>& heap) {
+    return StartReadByHand(
+        **plane,
+        BeginPlaneRead("unsent", 0, kBlocks, kvcache::v1::READ_FORMAT_FP16),
+        heap, block_bytes, shape.num_layers, /*per_layer=*/false);
   };
   std::vector<uint8_t> unsent(kBlocks * block_bytes, 0xEE);
   Notification go;
@@ -951,6 +954,12 @@ TEST_P(UcxTest, AReadDestroyedBeforeItIsSentLandsNothing) {
   })) << "a read destroyed before it was sent landed";
 }
 
+// decode_into_destination where the node cannot map the destination (tcp;
+// memory a client registered for one read, which UCX's shared memory does
+// not map): the node decodes the encoded blocks into staging when the
+// transfer starts, then sends them as it sends other copies, with the same
+// bytes. A block whose stored bytes were corrupted fails such a read with
+// DATA_LOSS, on either path, and is dropped; nothing is held after.
 TEST_P(UcxTest, ADecodeTheNodeCannotMapGoesThroughStagingAndIsChecked) {
   const kernels::BlockShape shape = LargeShape();
   const size_t block_bytes = kernels::Fp16BlockBytes(shape);
@@ -972,20 +981,8 @@ TEST_P(UcxTest, ADecodeTheNodeCannotMapGoesThroughStagingAndIsChecked) {
                        /*decode_into_destination=*/true);
     EXPECT_TRUE(response.data_plane().decodes_into_destination());
     for (const auto& b : response.blocks()) EXPECT_EQ(b.length(), block_bytes);
-    auto region = (*plane)->Register(heap.data(), heap.size());
-    if (!region.ok()) return region.status();
-    std::shared_ptr<ucx::MemoryRegion> held = *std::move(region);
-    const uint64_t base = reinterpret_cast<uint64_t>(heap.data());
-    std::vector<uint64_t> destinations;
-    for (int b = 0; b < kBlocks; ++b) {
-      destinations.push_back(base + b * block_bytes);
-    }
-    auto token = ucx::TokenFromBytes(response.data_plane().token());
-    if (!token.ok()) return token.status();
-    auto read = (*plane)->StartRead(AddressOf(response.data_plane()),
-                                    response.read_id(), *token, held,
-                                    destinations, shape.num_layers,
-                                    /*per_layer=*/true);
+    auto read = StartReadByHand(**plane, response, heap, block_bytes,
+                                shape.num_layers, /*per_layer=*/true);
     if (!read.ok()) return read.status();
     return (*read)->WaitLayers(shape.num_layers,
                                absl::Now() + absl::Seconds(20));

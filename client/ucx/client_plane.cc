@@ -625,6 +625,10 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
   bool posted = loop_->Post([this, address, token_bytes, state,
                              header_size = message.header_bytes,
                              keep = std::move(message.bytes)]() mutable {
+    {
+      MutexLock lock(&state->mu);
+      if (state->detached) return;  // abandoned: no connection opened for it
+    }
     absl::StatusOr<Connection*> conn = GetConnection(address);
     if (!conn.ok()) {
       state->Detach(conn.status());
