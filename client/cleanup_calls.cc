@@ -4,7 +4,7 @@
 
 namespace kvcache::internal {
 
-void CleanupCalls::CancelAndWait(absl::Duration bound) {
+bool CleanupCalls::CancelAndWait(absl::Duration bound) {
   std::vector<std::shared_ptr<grpc::ClientContext>> in_flight;
   {
     MutexLock lock(&state_->mu);
@@ -23,10 +23,10 @@ void CleanupCalls::CancelAndWait(absl::Duration bound) {
   }
   in_flight.clear();
   MutexLock lock(&state_->mu);
-  state_->ended.WaitFor(&state_->mu, bound,
-                        [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
-                          return state_->pending == 0;
-                        });
+  return state_->ended.WaitFor(
+      &state_->mu, bound, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+        return state_->pending == 0;
+      });
 }
 
 }  // namespace kvcache::internal

@@ -42,8 +42,10 @@ class CleanupCalls {
   void Send(absl::Duration timeout, Request request, Start start);
 
   // Cancels every call still in flight and waits, at most `bound`, until
-  // each one's callback has run. Later Sends send nothing.
-  void CancelAndWait(absl::Duration bound);
+  // each one's callback has run. Later Sends send nothing. Returns false
+  // when `bound` passed first: a callback may still come, and the caller
+  // must then keep its channel alive for good.
+  bool CancelAndWait(absl::Duration bound);
 
  private:
   struct State {

@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/log.h"
 #include "base/mutex.h"
 #include "client/buffer_pool.h"
 #include "client/client_impl.h"
@@ -253,7 +254,17 @@ absl::Status Client::Impl::EndPulledWrite(uint64_t write_id) {
 Client::Impl::~Impl() {
   // Before the channel goes: cleanup_calls.h's invariant. A cancelled
   // call's callback runs within milliseconds; each ends by its deadline.
-  cleanups.CancelAndWait(kCleanupTimeout + absl::Seconds(1));
+  if (cleanups.CancelAndWait(kCleanupTimeout + absl::Seconds(1))) return;
+  // gRPC's callback threads are held up (by in-process servers' handlers,
+  // say): a callback may still come, and must not drop the channel's last
+  // reference. The channel is left open for the life of the process.
+  LogError(
+      absl::StrCat("kvcache client for ", options.target,
+                   ": a cleanup call did not end within ",
+                   absl::FormatDuration(kCleanupTimeout + absl::Seconds(1)),
+                   " of the client's destruction; its channel is kept"));
+  static_cast<void>(
+      std::make_unique<std::shared_ptr<grpc::Channel>>(channel).release());
 }
 
 void Client::Impl::AbortWriteAsync(uint64_t write_id) {

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/notification.h"
+#include "client/cleanup_calls.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -614,6 +615,49 @@ TEST(ClientCleanupTest, ADestroyedClientLeavesNoCallInFlight) {
       << absl::FormatDuration(node.ended_at() - destroyed)
       << " after its Client was destroyed";
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+}
+
+// CleanupCalls against a fake transport whose callbacks come on another
+// thread 300 ms after each call starts, as gRPC's would: CancelAndWait
+// returns only once they have come, and later Sends send nothing. Against
+// one that never calls back, it gives up at its bound and says so, and a
+// callback that comes after the CleanupCalls is gone still finds its state.
+TEST(ClientCleanupTest, CancelAndWaitReturnsOnceEveryCallbackHasRun) {
+  std::atomic<int> started{0};
+  std::vector<std::thread> transport;
+  auto later = [&](grpc::ClientContext*, v1::EndReadRequest*,
+                   v1::EndReadResponse*,
+                   std::function<void(grpc::Status)> done) {
+    ++started;
+    transport.emplace_back([done = std::move(done)] {
+      absl::SleepFor(absl::Milliseconds(300));
+      done(grpc::Status::CANCELLED);
+    });
+  };
+  internal::CleanupCalls calls;
+  for (int i = 0; i < 3; ++i) {
+    calls.Send<v1::EndReadResponse>(absl::Seconds(5), v1::EndReadRequest(),
+                                    later);
+  }
+  const absl::Time waiting = absl::Now();
+  EXPECT_TRUE(calls.CancelAndWait(absl::Seconds(10)));
+  EXPECT_GE(absl::Now() - waiting, absl::Milliseconds(250));
+  calls.Send<v1::EndReadResponse>(absl::Seconds(5), v1::EndReadRequest(),
+                                  later);
+  EXPECT_EQ(started.load(), 3);
+  for (std::thread& t : transport) t.join();
+
+  std::function<void(grpc::Status)> held;
+  auto never =
+      [&](grpc::ClientContext*, v1::EndReadRequest*, v1::EndReadResponse*,
+          std::function<void(grpc::Status)> done) { held = std::move(done); };
+  auto stuck = std::make_unique<internal::CleanupCalls>();
+  stuck->Send<v1::EndReadResponse>(absl::Seconds(5), v1::EndReadRequest(),
+                                   never);
+  EXPECT_FALSE(stuck->CancelAndWait(absl::Milliseconds(100)));
+  stuck.reset();
+  ASSERT_TRUE(held);
+  held(grpc::Status::CANCELLED);
 }
 
 TEST_P(NodeTest, BadInputGetsExactCodesAndLosesNothing) {

@@ -339,6 +339,10 @@ class Client {
   // Creates a channel to options.target; does not wait for the node.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(
       const ClientOptions& options);
+  // Cancels the best-effort cleanup calls still in flight (an abandoned
+  // read's EndRead, an AbortWrite) and returns once they have ended:
+  // milliseconds. Not to be run on a thread of gRPC's own (a callback of a
+  // gRPC server or of gRPC's callback API).
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
