@@ -9,6 +9,15 @@
 // Fp8FromF32). On AVX-512 and AVX2, fp8 encoding reads most codes from
 // per-head tables built from exact quotients (see "FP8 by table"). bf16
 // sections have their own, simpler kernels (see "bf16 sources").
+//
+// Denormal arithmetic: no step reads or makes an fp32 subnormal, so results
+// do not change where a thread runs with x86's flush-to-zero and
+// denormals-are-zero on (PyTorch's set_flush_denormal, libraries built with
+// -ffast-math; threads inherit them), and no vector pays the microcode
+// assist an fp32 subnormal operand costs on Intel cores (about 10x slower
+// fp8 decodes of blocks with many subnormal codes). Conversions from narrow
+// formats rebias exponents in the integers and take subnormal codes as an
+// integer significand times a power of two.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -55,16 +64,21 @@ HWY_INLINE hn::Vec<DF> HalfToF32(DF df, hn::Vec<hn::Rebind<uint16_t, DF>> h) {
   const auto b = hn::PromoteTo(du, h);
   const auto sign = hn::ShiftLeft<16>(hn::And(b, hn::Set(du, 0x8000u)));
   const auto em = hn::And(b, hn::Set(du, 0x7FFFu));
+  const auto emi = hn::BitCast(di, em);
   const auto shifted = hn::ShiftLeft<13>(em);
-  // Normal and subnormal: the bits shifted into place read as a float that
-  // is 2^-112 times the value (a float subnormal for a half subnormal).
-  const auto finite = hn::Mul(hn::BitCast(df, shifted), hn::Set(df, 0x1p112f));
+  // No fp32 subnormal is read or made (see "Denormal arithmetic" above):
+  // normal halves are rebiased in the integers, subnormal ones are their
+  // integer significand times 2^-24, an exact product of normal floats.
+  const auto normal =
+      hn::BitCast(df, hn::Add(shifted, hn::Set(du, 112u << 23)));
+  const auto subnormal = hn::Mul(hn::ConvertTo(df, emi), hn::Set(df, 0x1p-24f));
   const auto special =
       hn::BitCast(df, hn::Or(shifted, hn::Set(du, 0x7F800000u)));
-  const auto is_special =
-      hn::RebindMask(df, hn::Gt(hn::BitCast(di, em), hn::Set(di, 0x7BFF)));
-  return hn::Or(hn::IfThenElse(is_special, special, finite),
-                hn::BitCast(df, sign));
+  auto v = hn::IfThenElse(hn::RebindMask(df, hn::Lt(emi, hn::Set(di, 0x400))),
+                          subnormal, normal);
+  v = hn::IfThenElse(hn::RebindMask(df, hn::Gt(emi, hn::Set(di, 0x7BFF))),
+                     special, v);
+  return hn::Or(v, hn::BitCast(df, sign));
 #endif
 }
 
@@ -118,9 +132,10 @@ HWY_INLINE hn::Vec<hn::Rebind<uint16_t, DF>> F32ToHalf(DF df, hn::Vec<DF> v) {
 //     binade (at least the subnormal step 2^(1 - kBias - kManBits)), so the
 //     fp32 addition rounds to nearest even on the fp8 grid; subtracting it
 //     back is exact.
-//  3. r * 2^-(127 - kBias) re-biases the exponent: its fp32 bits shifted
-//     right by 23 - kManBits are the fp8 code (an fp32 subnormal for an fp8
-//     subnormal; denormals are not flushed on these paths).
+//  3. The code: for r in fp8's normal range, r's fp32 bits shifted right
+//     by 23 - kManBits with the exponent rebiased in the integers; below
+//     it, r over the subnormal step, an exact small integer (no fp32
+//     subnormal is made: see "Denormal arithmetic" above).
 template <int kManBits, int kBias, uint32_t kMaxCode, class DF>
 HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Fp8FromF32(DF df, hn::Vec<DF> q,
                                                       hn::Vec<DF> sign_of) {
@@ -131,7 +146,9 @@ HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Fp8FromF32(DF df, hn::Vec<DF> q,
       FloatFromBits(((kMaxCode >> kManBits) + 127 - kBias) << 23 |
                     (kMaxCode & ((1u << kManBits) - 1u)) << kDrop);
   constexpr int32_t kSubMagicBits = (127 + 1 - kBias - kManBits + 23) << 23;
-  constexpr float kRebias = kBias == 7 ? 0x1p-120f : 0x1p-112f;
+  constexpr int32_t kMinNormalBits = (127 + 1 - kBias) << 23;
+  // 1 / the subnormal step 2^(1 - kBias - kManBits).
+  constexpr float kPerSubnormalStep = kBias == 7 ? 0x1p9f : 0x1p16f;
   static_assert(kBias == 7 || kBias == 15, "E4M3 or E5M2");
 
   const auto a = hn::Min(hn::Abs(q), hn::Set(df, max_finite));
@@ -140,8 +157,17 @@ HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Fp8FromF32(DF df, hn::Vec<DF> q,
       hn::BitCast(df, hn::Max(hn::Add(exp, hn::Set(di, int32_t{kDrop} << 23)),
                               hn::Set(di, kSubMagicBits)));
   const auto r = hn::Sub(hn::Add(a, magic), magic);
-  const auto code =
-      hn::ShiftRight<kDrop>(hn::BitCast(du, hn::Mul(r, hn::Set(df, kRebias))));
+  auto code = hn::Sub(hn::ShiftRight<kDrop>(hn::BitCast(du, r)),
+                      hn::Set(du, uint32_t{127 - kBias} << kManBits));
+  const auto below_normal =
+      hn::Lt(hn::BitCast(di, r), hn::Set(di, kMinNormalBits));
+  if (HWY_UNLIKELY(!hn::AllFalse(di, below_normal))) {
+    code = hn::IfThenElse(
+        hn::RebindMask(du, below_normal),
+        hn::BitCast(
+            du, hn::ConvertTo(di, hn::Mul(r, hn::Set(df, kPerSubnormalStep)))),
+        code);
+  }
   const auto sign =
       hn::And(hn::ShiftRight<24>(hn::BitCast(du, sign_of)), hn::Set(du, 0x80u));
   return hn::BitCast(di, hn::Or(code, sign));
@@ -151,25 +177,81 @@ HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Fp8FromF32(DF df, hn::Vec<DF> q,
 template <bool kE4M3, class DF>
 HWY_INLINE hn::Vec<DF> Fp8ToF32(DF df, hn::Vec<hn::RebindToUnsigned<DF>> c) {
   const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
   constexpr int kManBits = kE4M3 ? 3 : 2;
-  constexpr float kRebias = kE4M3 ? 0x1p120f : 0x1p112f;
+  constexpr uint32_t kBias = kE4M3 ? 7 : 15;
+  // The value of the smallest subnormal code, 2^(1 - bias - mantissa bits).
+  constexpr float kSubnormalUnit = kE4M3 ? 0x1p-9f : 0x1p-16f;
   const auto a = hn::And(c, hn::Set(du, 0x7Fu));
+  const auto ai = hn::BitCast(di, a);
   const auto sign = hn::ShiftLeft<24>(hn::And(c, hn::Set(du, 0x80u)));
-  auto v = hn::Mul(hn::BitCast(df, hn::ShiftLeft<23 - kManBits>(a)),
-                   hn::Set(df, kRebias));
+  // No fp32 subnormal is read or made (see "Denormal arithmetic" above):
+  // normal codes are rebiased in the integers, subnormal codes (exponent
+  // field 0, zero included) are their significand times the unit, an exact
+  // product, computed only for vectors that hold one (rare in KV data).
+  auto v = hn::BitCast(df, hn::Add(hn::ShiftLeft<23 - kManBits>(a),
+                                   hn::Set(du, (127u - kBias) << 23)));
+  const auto exponent_zero =
+      hn::RebindMask(df, hn::Lt(ai, hn::Set(di, 1 << kManBits)));
+  if (HWY_UNLIKELY(!hn::AllFalse(df, exponent_zero))) {
+    v = hn::IfThenElse(
+        exponent_zero,
+        hn::Mul(hn::ConvertTo(df, ai), hn::Set(df, kSubnormalUnit)), v);
+  }
   const auto nan = hn::BitCast(df, hn::Set(du, 0x7FC00000u));
   if constexpr (kE4M3) {
     v = hn::IfThenElse(hn::RebindMask(df, hn::Eq(a, hn::Set(du, 0x7Fu))), nan,
                        v);
   } else {
-    const hn::RebindToSigned<DF> di;
-    const auto ai = hn::BitCast(di, a);
     v = hn::IfThenElse(hn::RebindMask(df, hn::Eq(ai, hn::Set(di, 0x7C))),
                        hn::BitCast(df, hn::Set(du, 0x7F800000u)), v);
     v = hn::IfThenElse(hn::RebindMask(df, hn::Gt(ai, hn::Set(di, 0x7C))), nan,
                        v);
   }
   return hn::Or(v, hn::BitCast(df, sign));
+}
+
+// A head's fp8 scale as Fp8TimesScale takes it. For a positive normal
+// scale s whose product with 2^(127 - bias) is finite, `rebiased` is that
+// product (exact) and `folds` is true; otherwise the codes' values are
+// formed first (Fp8ToF32) and multiplied by s.
+struct Fp8Scale {
+  float scale;
+  float rebiased;
+  bool folds;
+};
+
+template <bool kE4M3>
+Fp8Scale PrepareFp8Scale(float scale) {
+  const float rebiased = scale * (kE4M3 ? 0x1p120f : 0x1p112f);
+  return {scale, rebiased, scale >= 0x1p-126f && rebiased <= 0x1.fffffep127f};
+}
+
+// RN(value(code) * scale) for codes in 32-bit lanes: what
+// Fp8ScalarToFloat(code) * scale gives. Where the scale folds, a normal
+// code's bits shifted into an fp32 exponent and significand read as its
+// value times 2^-(127 - bias), a normal float, and one multiplication by
+// `rebiased` scales and rounds it. Vectors with a subnormal code, zero or a
+// NaN or infinity code (rare in KV data) take Fp8ToF32's exact values.
+template <bool kE4M3, class DF>
+HWY_INLINE hn::Vec<DF> Fp8TimesScale(DF df, hn::Vec<hn::RebindToUnsigned<DF>> c,
+                                     const Fp8Scale& s) {
+  if (!s.folds) return hn::Mul(Fp8ToF32<kE4M3>(df, c), hn::Set(df, s.scale));
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  constexpr int kManBits = kE4M3 ? 3 : 2;
+  constexpr int32_t kMaxFiniteCode = kE4M3 ? 0x7E : 0x7B;
+  const auto ai = hn::BitCast(di, hn::And(c, hn::Set(du, 0x7Fu)));
+  const auto sign = hn::ShiftLeft<24>(hn::And(c, hn::Set(du, 0x80u)));
+  const auto bits =
+      hn::Or(hn::ShiftLeft<23 - kManBits>(hn::BitCast(du, ai)), sign);
+  const auto rare = hn::Or(hn::Lt(ai, hn::Set(di, 1 << kManBits)),
+                           hn::Gt(ai, hn::Set(di, kMaxFiniteCode)));
+  // Tested first: a subnormal code's bits would be an fp32 subnormal.
+  if (HWY_UNLIKELY(!hn::AllFalse(di, rare))) {
+    return hn::Mul(Fp8ToF32<kE4M3>(df, c), hn::Set(df, s.scale));
+  }
+  return hn::Mul(hn::BitCast(df, bits), hn::Set(df, s.rebiased));
 }
 
 // ---- division -------------------------------------------------------------
@@ -447,6 +529,9 @@ HWY_INLINE void EncodeFp8Exact(const uint16_t* in, size_t n, float scale,
 // rounded quotient >= the smallest normal, so the true quotient is at least
 // that minus a quarter of the subnormal step and rounds the same on both
 // grids.
+// A row with more than kMaxLaneRecodes such lanes (heads whose scale an
+// outlier sets, so many values fall below `safe`) is recoded whole by the
+// vector exact path instead, which costs about what four lanes one by one do.
 // kernels/codec_simd_test.cc checks every finite fp16 value against the
 // reference over a spread of scales.
 #undef KVCACHE_FP8_TABLE
@@ -457,6 +542,8 @@ HWY_INLINE void EncodeFp8Exact(const uint16_t* in, size_t n, float scale,
 // 2^kShift before the shift is adding base after it, so one table (one
 // vpermw) serves, as long as the codes of the head fit in 16 - kShift bits
 // (BuildFp8HeadTable checks the largest).
+constexpr size_t kMaxLaneRecodes = 4;
+
 struct Fp8HeadTable {
   alignas(64) uint16_t folded[32];
   uint16_t safe = 0;  // smallest |x| bits (>= 0x400) the identity covers
@@ -669,11 +756,15 @@ HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
   for (; j < n; ++j) dst[j] = Fp8CodeByTable<kCodec>(row[j], table, scale);
   const __m512i safe = _mm512_set1_epi16(table.safe);
   if (_mm512_cmplt_epu16_mask(least, safe) == 0) return;
+  size_t recoded = 0;
   for (j = 0; j < vector_end; j += 32) {
     const __m512i a = _mm512_and_si512(_mm512_loadu_si512(row + j), magnitude);
     uint32_t uncovered =
         _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(a, a), a, safe);
     while (uncovered != 0) {
+      if (++recoded > kMaxLaneRecodes) {
+        return EncodeFp8Exact<kCodec>(row, vector_end, scale, dst);
+      }
       const size_t i = j + static_cast<size_t>(__builtin_ctz(uncovered));
       dst[i] = Fp8CodeByTable<kCodec>(row[i], table, scale);
       uncovered &= uncovered - 1;
@@ -749,6 +840,7 @@ HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
           _mm256_cmpeq_epi16(_mm256_min_epu16(least, below), least)) == 0) {
     return;
   }
+  size_t recoded = 0;
   for (j = 0; j < vector_end; j += 16) {
     const __m256i a = _mm256_and_si256(load_row(j), magnitude);
     // 0 < |x| < safe; |x| <= 0x7BFF, so signed compares are right.
@@ -758,6 +850,9 @@ HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
                            a));
     uint32_t bits = static_cast<uint32_t>(_mm256_movemask_epi8(uncovered));
     while (bits != 0) {
+      if (++recoded > kMaxLaneRecodes) {
+        return EncodeFp8Exact<kCodec>(row, vector_end, scale, dst);
+      }
       const size_t i = j + static_cast<size_t>(__builtin_ctz(bits)) / 2;
       dst[i] = Fp8CodeByTable<kCodec>(row[i], table, scale);
       bits &= bits - 1;
@@ -874,11 +969,11 @@ void DecodeFp8(const Section& s, const uint8_t* in, uint16_t* out) {
       const uint8_t* src = codes + base;
       uint16_t* dst = out + base;
       const float sc = scale[h];
-      const auto vsc = hn::Set(df, sc);
+      const Fp8Scale prepared = PrepareFp8Scale<kE4M3>(sc);
       size_t j = 0;
       for (; j + N <= D; j += N) {
         const auto c = hn::PromoteTo(du, hn::LoadU(d8, src + j));
-        const auto v = hn::Mul(Fp8ToF32<kE4M3>(df, c), vsc);
+        const auto v = Fp8TimesScale<kE4M3>(df, c, prepared);
         StoreDecoded(F32ToHalf(df, v), d16, stream, dst + j);
       }
       for (; j < D; ++j) {
@@ -1716,12 +1811,12 @@ void DecodeFp8Bf16(const Section& s, const uint8_t* in, uint16_t* out) {
   for (size_t t = 0; t < T; ++t) {
     for (size_t h = 0; h < H; ++h) {
       const size_t base = (t * H + h) * D;
-      const auto vsc = hn::Set(df, scale[h]);
+      const Fp8Scale prepared = PrepareFp8Scale<kE4M3>(scale[h]);
       size_t j = 0;
       for (; j + N <= D; j += N) {
         // x' = bf16_rne(float(code) * scale)
         const auto c = hn::PromoteTo(du, hn::LoadU(d8, codes + base + j));
-        const auto v = hn::Mul(Fp8ToF32<kE4M3>(df, c), vsc);
+        const auto v = Fp8TimesScale<kE4M3>(df, c, prepared);
         StoreDecoded(F32ToBf16(df, v), d16, stream, out + base + j);
       }
       for (; j < D; ++j) {
