@@ -177,6 +177,44 @@ def test_fp16_reads_decode_here_by_default_as_the_node_would(node, codec):
     np.testing.assert_array_equal(dest, node_side)
 
 
+def test_fp8_decodes_here_the_same_with_denormals_flushed(node):
+    """A thread with flush-to-zero and denormals-are-zero on (what
+    torch.set_flush_denormal(True) sets, as a library built with -ffast-math
+    does) decodes fp8 as the node does: values spread over 16 binades, so
+    many take fp8's subnormal codes."""
+    torch = pytest.importorskip("torch")
+    n, plane = node
+    here = kvcache.Client(n.address, data_plane=plane)
+    there = kvcache.Client(n.address, data_plane=plane, decode_on_client=False)
+    here.register_namespace(spec("flushed", codec="fp8_e4m3"))
+    keys = kvcache.block_hash_chain(list(range(4 * T)), T, seed=13)
+    rng = np.random.default_rng(13)
+    shape = blocks(4).shape
+    data = (np.exp2(rng.uniform(-16, 0, shape)) * rng.choice([-1, 1], shape))
+    here.put("flushed", keys, data.astype(np.float16))
+    node_side = there.get("flushed", keys).array()
+    got = {}
+
+    def read_flushed():
+        # MXCSR is per thread: only this one runs with denormals off.
+        assert torch.set_flush_denormal(True)
+        try:
+            got["get"] = here.get("flushed", keys).array()
+            dest = np.full_like(node_side, np.nan)
+            here.get_into("flushed", keys, dest).wait()
+            got["get_into"] = dest
+        finally:
+            torch.set_flush_denormal(False)
+
+    t = threading.Thread(target=read_flushed)
+    t.start()
+    t.join()
+    for how in ("get", "get_into"):
+        zeroed = int(np.count_nonzero((got[how] == 0) & (node_side != 0)))
+        assert zeroed == 0, f"{how}: {zeroed} values read as zero"
+        np.testing.assert_array_equal(got[how], node_side)
+
+
 @pytest.mark.parametrize("codec", ["none", "fp8_e4m3"])
 def test_get_into_whole_blocks_lands_what_a_layer_wise_read_lands(client, codec):
     ns = f"whole-{codec}"
