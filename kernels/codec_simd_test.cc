@@ -158,7 +158,7 @@ TEST_P(SimdTest, DecodeOfArbitraryBytesMatchesReference) {
 // inherit them from the thread that created them. The codecs must give the
 // same bits there (they are exact conversions), so no step may take or
 // make an fp32 subnormal. Both encoded data and arbitrary codes (every fp8
-// subnormal code) are decoded.
+// subnormal code) are decoded, from fp16 and bf16 sources.
 #if defined(__SSE__) || defined(__x86_64__)
 class DenormalsOffScope {
  public:
@@ -176,53 +176,64 @@ class DenormalsOffScope {
 };
 
 TEST_P(SimdTest, SameBitsWithDenormalArithmeticOff) {
-  const BlockShape shape{2, 8, 128, 32};
   std::mt19937 rng(1907);
-  for (Codec c : kAllCodecs) {
-    CodecPolicy p;
-    p.codec = c;
-    const size_t bytes = EncodedBlockBytes(shape, p);
-    for (Data kind : {Data::kTiny, Data::kSpecials, Data::kRandomBits,
-                      Data::kGaussian, Data::kSparse}) {
-      const std::vector<uint16_t> in = MakeData(shape, kind, rng());
-      std::vector<uint8_t> codes(bytes);
-      if (!EncodeBlockReference(shape, p, in, absl::MakeSpan(codes)).ok()) {
-        continue;  // KIVI rejects what it cannot hold; fp8 saturates
-      }
-      // Arbitrary fp8 codes after each head's scale: every subnormal code.
-      std::vector<uint8_t> arbitrary = codes;
-      if (c == Codec::kFp8E4M3 || c == Codec::kFp8E5M2) {
-        const size_t n = size_t{shape.tokens_per_block} * shape.num_kv_heads *
-                         shape.head_dim;
-        for (size_t off = 0; off < bytes; off += 4 * shape.num_kv_heads + n) {
-          for (size_t i = 0; i < n; ++i) {
-            arbitrary[off + 4 * shape.num_kv_heads + i] =
-                static_cast<uint8_t>(rng());
+  for (const SourceDtype dtype : {SourceDtype::kFp16, SourceDtype::kBf16}) {
+    BlockShape shape{2, 8, 128, 32};
+    shape.source_dtype = dtype;
+    for (Codec c : kAllCodecs) {
+      CodecPolicy p;
+      p.codec = c;
+      const size_t bytes = EncodedBlockBytes(shape, p);
+      for (Data kind : {Data::kTiny, Data::kSpecials, Data::kRandomBits,
+                        Data::kGaussian, Data::kSparse}) {
+        std::vector<uint16_t> in = MakeData(shape, kind, rng());
+        if (dtype == SourceDtype::kBf16) {
+          // The same values as bf16. Values below 2^-126, fp32 subnormals
+          // themselves (and the scales of heads made of them), read as zero
+          // where denormals are off whatever the code does; KV has none.
+          for (uint16_t& v : in) v = Bf16FromFloat(HalfToFloat(v));
+        }
+        std::vector<uint8_t> codes(bytes);
+        if (!EncodeBlockReference(shape, p, in, absl::MakeSpan(codes)).ok()) {
+          continue;  // KIVI rejects what it cannot hold; fp8 saturates
+        }
+        // Arbitrary fp8 codes after each head's scale: every subnormal code.
+        std::vector<uint8_t> arbitrary = codes;
+        if (c == Codec::kFp8E4M3 || c == Codec::kFp8E5M2) {
+          const size_t n = size_t{shape.tokens_per_block} * shape.num_kv_heads *
+                           shape.head_dim;
+          for (size_t off = 0; off < bytes; off += 4 * shape.num_kv_heads + n) {
+            for (size_t i = 0; i < n; ++i) {
+              arbitrary[off + 4 * shape.num_kv_heads + i] =
+                  static_cast<uint8_t>(rng());
+            }
           }
         }
-      }
-      for (const std::vector<uint8_t>* enc : {&codes, &arbitrary}) {
-        std::vector<uint16_t> out_ref(in.size(), 1);
-        ASSERT_TRUE(
-            DecodeBlockReference(shape, p, *enc, absl::MakeSpan(out_ref)).ok());
-        std::vector<uint8_t> simd(bytes, 0xA5);
-        std::vector<uint16_t> out_simd(in.size(), 2);
-        {
-          DenormalsOffScope denormals_off;
-          ASSERT_TRUE(EncodeBlock(shape, p, in, absl::MakeSpan(simd)).ok());
+        for (const std::vector<uint8_t>* enc : {&codes, &arbitrary}) {
+          std::vector<uint16_t> out_ref(in.size(), 1);
           ASSERT_TRUE(
-              DecodeBlock(shape, p, *enc, absl::MakeSpan(out_simd)).ok());
+              DecodeBlockReference(shape, p, *enc, absl::MakeSpan(out_ref))
+                  .ok());
+          std::vector<uint8_t> simd(bytes, 0xA5);
+          std::vector<uint16_t> out_simd(in.size(), 2);
+          {
+            DenormalsOffScope denormals_off;
+            ASSERT_TRUE(EncodeBlock(shape, p, in, absl::MakeSpan(simd)).ok());
+            ASSERT_TRUE(
+                DecodeBlock(shape, p, *enc, absl::MakeSpan(out_simd)).ok());
+          }
+          ASSERT_TRUE(simd == codes)
+              << CodecName(c) << " encode, data " << static_cast<int>(kind);
+          size_t wrong = 0, first = 0;
+          for (size_t i = 0; i < in.size(); ++i) {
+            if (out_simd[i] != out_ref[i] && wrong++ == 0) first = i;
+          }
+          ASSERT_EQ(wrong, 0u)
+              << CodecName(c) << " decode, data " << static_cast<int>(kind)
+              << (enc == &codes ? "" : ", arbitrary codes") << ": first "
+              << first << " is " << out_simd[first] << ", reference "
+              << out_ref[first] << ", " << SourceDtypeName(dtype);
         }
-        ASSERT_TRUE(simd == codes)
-            << CodecName(c) << " encode, data " << static_cast<int>(kind);
-        size_t wrong = 0, first = 0;
-        for (size_t i = 0; i < in.size(); ++i) {
-          if (out_simd[i] != out_ref[i] && wrong++ == 0) first = i;
-        }
-        ASSERT_EQ(wrong, 0u)
-            << CodecName(c) << " decode, data " << static_cast<int>(kind)
-            << (enc == &codes ? "" : ", arbitrary codes") << ": first " << first
-            << " is " << out_simd[first] << ", reference " << out_ref[first];
       }
     }
   }
