@@ -188,16 +188,12 @@ HWY_INLINE hn::Vec<DF> Fp8ToF32(DF df, hn::Vec<hn::RebindToUnsigned<DF>> c) {
   // No fp32 subnormal is read or made (see "Denormal arithmetic" above):
   // normal codes are rebiased in the integers, subnormal codes (exponent
   // field 0, zero included) are their significand times the unit, an exact
-  // product, computed only for vectors that hold one (rare in KV data).
+  // product.
   auto v = hn::BitCast(df, hn::Add(hn::ShiftLeft<23 - kManBits>(a),
                                    hn::Set(du, (127u - kBias) << 23)));
-  const auto exponent_zero =
-      hn::RebindMask(df, hn::Lt(ai, hn::Set(di, 1 << kManBits)));
-  if (HWY_UNLIKELY(!hn::AllFalse(df, exponent_zero))) {
-    v = hn::IfThenElse(
-        exponent_zero,
-        hn::Mul(hn::ConvertTo(df, ai), hn::Set(df, kSubnormalUnit)), v);
-  }
+  v = hn::IfThenElse(
+      hn::RebindMask(df, hn::Lt(ai, hn::Set(di, 1 << kManBits))),
+      hn::Mul(hn::ConvertTo(df, ai), hn::Set(df, kSubnormalUnit)), v);
   const auto nan = hn::BitCast(df, hn::Set(du, 0x7FC00000u));
   if constexpr (kE4M3) {
     v = hn::IfThenElse(hn::RebindMask(df, hn::Eq(a, hn::Set(du, 0x7Fu))), nan,
@@ -211,10 +207,9 @@ HWY_INLINE hn::Vec<DF> Fp8ToF32(DF df, hn::Vec<hn::RebindToUnsigned<DF>> c) {
   return hn::Or(v, hn::BitCast(df, sign));
 }
 
-// A head's fp8 scale as Fp8TimesScale takes it. For a positive normal
-// scale s whose product with 2^(127 - bias) is finite, `rebiased` is that
-// product (exact) and `folds` is true; otherwise the codes' values are
-// formed first (Fp8ToF32) and multiplied by s.
+// A head's fp8 scale, prepared for Fp8RowTimesScale. For a positive
+// normal scale s whose product with 2^(127 - bias) is finite, `rebiased` is
+// that product (exact) and `folds` is true.
 struct Fp8Scale {
   float scale;
   float rebiased;
@@ -227,31 +222,46 @@ Fp8Scale PrepareFp8Scale(float scale) {
   return {scale, rebiased, scale >= 0x1p-126f && rebiased <= 0x1.fffffep127f};
 }
 
-// RN(value(code) * scale) for codes in 32-bit lanes: what
-// Fp8ScalarToFloat(code) * scale gives. Where the scale folds, a normal
-// code's bits shifted into an fp32 exponent and significand read as its
-// value times 2^-(127 - bias), a normal float, and one multiplication by
-// `rebiased` scales and rounds it. Vectors with a subnormal code, zero or a
-// NaN or infinity code (rare in KV data) take Fp8ToF32's exact values.
-template <bool kE4M3, class DF>
-HWY_INLINE hn::Vec<DF> Fp8TimesScale(DF df, hn::Vec<hn::RebindToUnsigned<DF>> c,
-                                     const Fp8Scale& s) {
-  if (!s.folds) return hn::Mul(Fp8ToF32<kE4M3>(df, c), hn::Set(df, s.scale));
-  const hn::RebindToUnsigned<DF> du;
-  const hn::RebindToSigned<DF> di;
-  constexpr int kManBits = kE4M3 ? 3 : 2;
-  constexpr int32_t kMaxFiniteCode = kE4M3 ? 0x7E : 0x7B;
-  const auto ai = hn::BitCast(di, hn::And(c, hn::Set(du, 0x7Fu)));
-  const auto sign = hn::ShiftLeft<24>(hn::And(c, hn::Set(du, 0x80u)));
-  const auto bits =
-      hn::Or(hn::ShiftLeft<23 - kManBits>(hn::BitCast(du, ai)), sign);
-  const auto rare = hn::Or(hn::Lt(ai, hn::Set(di, 1 << kManBits)),
-                           hn::Gt(ai, hn::Set(di, kMaxFiniteCode)));
-  // Tested first: a subnormal code's bits would be an fp32 subnormal.
-  if (HWY_UNLIKELY(!hn::AllFalse(di, rare))) {
-    return hn::Mul(Fp8ToF32<kE4M3>(df, c), hn::Set(df, s.scale));
+// Whether codes[0, n) hold a code Fp8FoldedTimesScale does not take: a
+// subnormal code or zero (exponent field 0), NaN or infinity.
+template <bool kE4M3>
+HWY_INLINE bool Fp8RowHasRareCode(const uint8_t* codes, size_t n) {
+  constexpr int8_t kMinNormal = kE4M3 ? 8 : 4;
+  constexpr int8_t kMaxFinite = kE4M3 ? 0x7E : 0x7B;
+  const hn::ScalableTag<int8_t> d8;
+  const hn::RebindToUnsigned<decltype(d8)> du8;
+  const size_t N = hn::Lanes(d8);
+  size_t j = 0;
+  for (; j + N <= n; j += N) {
+    const auto a =
+        hn::And(hn::BitCast(d8, hn::LoadU(du8, codes + j)), hn::Set(d8, 0x7F));
+    if (!hn::AllFalse(d8, hn::Or(hn::Lt(a, hn::Set(d8, kMinNormal)),
+                                 hn::Gt(a, hn::Set(d8, kMaxFinite))))) {
+      return true;
+    }
   }
-  return hn::Mul(hn::BitCast(df, bits), hn::Set(df, s.rebiased));
+  for (; j < n; ++j) {
+    const int a = codes[j] & 0x7F;
+    if (a < kMinNormal || a > kMaxFinite) return true;
+  }
+  return false;
+}
+
+// RN(value(code) * scale) for codes in 32-bit lanes, none of them rare
+// (Fp8RowHasRareCode) and s.folds: the code's bits shifted into an fp32
+// exponent and significand read as its value times 2^-(127 - bias), a normal
+// float, and one multiplication by `rebiased` scales and rounds it, as
+// Fp8ScalarToFloat(code) * scale does.
+template <bool kE4M3, class DF>
+HWY_INLINE hn::Vec<DF> Fp8FoldedTimesScale(DF df,
+                                           hn::Vec<hn::RebindToUnsigned<DF>> c,
+                                           hn::Vec<DF> rebiased) {
+  const hn::RebindToUnsigned<DF> du;
+  constexpr int kManBits = kE4M3 ? 3 : 2;
+  const auto magnitude =
+      hn::ShiftLeft<23 - kManBits>(hn::And(c, hn::Set(du, 0x7Fu)));
+  const auto sign = hn::ShiftLeft<24>(hn::And(c, hn::Set(du, 0x80u)));
+  return hn::Mul(hn::BitCast(df, hn::Or(magnitude, sign)), rebiased);
 }
 
 // ---- division -------------------------------------------------------------
@@ -971,10 +981,20 @@ void DecodeFp8(const Section& s, const uint8_t* in, uint16_t* out) {
       const float sc = scale[h];
       const Fp8Scale prepared = PrepareFp8Scale<kE4M3>(sc);
       size_t j = 0;
-      for (; j + N <= D; j += N) {
-        const auto c = hn::PromoteTo(du, hn::LoadU(d8, src + j));
-        const auto v = Fp8TimesScale<kE4M3>(df, c, prepared);
-        StoreDecoded(F32ToHalf(df, v), d16, stream, dst + j);
+      if (prepared.folds && !Fp8RowHasRareCode<kE4M3>(src, D)) {
+        const auto rebiased = hn::Set(df, prepared.rebiased);
+        for (; j + N <= D; j += N) {
+          const auto c = hn::PromoteTo(du, hn::LoadU(d8, src + j));
+          const auto v = Fp8FoldedTimesScale<kE4M3>(df, c, rebiased);
+          StoreDecoded(F32ToHalf(df, v), d16, stream, dst + j);
+        }
+      } else {
+        const auto vsc = hn::Set(df, sc);
+        for (; j + N <= D; j += N) {
+          const auto c = hn::PromoteTo(du, hn::LoadU(d8, src + j));
+          const auto v = hn::Mul(Fp8ToF32<kE4M3>(df, c), vsc);
+          StoreDecoded(F32ToHalf(df, v), d16, stream, dst + j);
+        }
       }
       for (; j < D; ++j) {
         dst[j] = HalfFromFloat(Fp8ScalarToFloat<kCodec>(src[j]) * sc);
@@ -1813,11 +1833,21 @@ void DecodeFp8Bf16(const Section& s, const uint8_t* in, uint16_t* out) {
       const size_t base = (t * H + h) * D;
       const Fp8Scale prepared = PrepareFp8Scale<kE4M3>(scale[h]);
       size_t j = 0;
-      for (; j + N <= D; j += N) {
-        // x' = bf16_rne(float(code) * scale)
-        const auto c = hn::PromoteTo(du, hn::LoadU(d8, codes + base + j));
-        const auto v = Fp8TimesScale<kE4M3>(df, c, prepared);
-        StoreDecoded(F32ToBf16(df, v), d16, stream, out + base + j);
+      // x' = bf16_rne(float(code) * scale)
+      if (prepared.folds && !Fp8RowHasRareCode<kE4M3>(codes + base, D)) {
+        const auto rebiased = hn::Set(df, prepared.rebiased);
+        for (; j + N <= D; j += N) {
+          const auto c = hn::PromoteTo(du, hn::LoadU(d8, codes + base + j));
+          const auto v = Fp8FoldedTimesScale<kE4M3>(df, c, rebiased);
+          StoreDecoded(F32ToBf16(df, v), d16, stream, out + base + j);
+        }
+      } else {
+        const auto vsc = hn::Set(df, scale[h]);
+        for (; j + N <= D; j += N) {
+          const auto c = hn::PromoteTo(du, hn::LoadU(d8, codes + base + j));
+          const auto v = hn::Mul(Fp8ToF32<kE4M3>(df, c), vsc);
+          StoreDecoded(F32ToBf16(df, v), d16, stream, out + base + j);
+        }
       }
       for (; j < D; ++j) {
         out[base + j] =
