@@ -38,6 +38,9 @@ constexpr absl::Duration kPulledWriteGrace = absl::Seconds(5);
 
 // The longest a best-effort cleanup RPC (AbortWrite, EndRead) may take.
 constexpr absl::Duration kCleanupTimeout = absl::Seconds(5);
+// How long ~Impl waits, once it has cancelled them, for those in flight.
+// kCleanupTimeout and a second.
+constexpr absl::Duration kCleanupWait = absl::Seconds(6);
 // How long a kAuto client keeps off the data plane of a node it could not
 // use: UCX TCP segment sizes that do not fit its own, or a data-plane
 // address that does not answer (a restart or a fix may change either).
@@ -254,15 +257,14 @@ absl::Status Client::Impl::EndPulledWrite(uint64_t write_id) {
 Client::Impl::~Impl() {
   // Before the channel goes: cleanup_calls.h's invariant. A cancelled
   // call's callback runs within milliseconds; each ends by its deadline.
-  if (cleanups.CancelAndWait(kCleanupTimeout + absl::Seconds(1))) return;
+  if (cleanups.CancelAndWait(kCleanupWait)) return;
   // gRPC's callback threads are held up (by in-process servers' handlers,
   // say): a callback may still come, and must not drop the channel's last
   // reference. The channel is left open for the life of the process.
-  LogError(
-      absl::StrCat("kvcache client for ", options.target,
-                   ": a cleanup call did not end within ",
-                   absl::FormatDuration(kCleanupTimeout + absl::Seconds(1)),
-                   " of the client's destruction; its channel is kept"));
+  LogError(absl::StrCat("kvcache client for ", options.target,
+                        ": a cleanup call did not end within ",
+                        absl::FormatDuration(kCleanupWait),
+                        " of the client's destruction; its channel is kept"));
   static_cast<void>(
       std::make_unique<std::shared_ptr<grpc::Channel>>(channel).release());
 }

@@ -10,14 +10,17 @@
 // per-head tables built from exact quotients (see "FP8 by table"). bf16
 // sections have their own, simpler kernels (see "bf16 sources").
 //
-// Denormal arithmetic: no step reads or makes an fp32 subnormal, so results
-// do not change where a thread runs with x86's flush-to-zero and
-// denormals-are-zero on (PyTorch's set_flush_denormal, libraries built with
-// -ffast-math; threads inherit them), and no vector pays the microcode
-// assist an fp32 subnormal operand costs on Intel cores (about 10x slower
-// fp8 decodes of blocks with many subnormal codes). Conversions from narrow
-// formats rebias exponents in the integers and take subnormal codes as an
-// integer significand times a power of two.
+// Denormal arithmetic: conversions between formats read and make no fp32
+// subnormal: they rebias exponents in the integers and take subnormal codes
+// as an integer significand times a power of two. So results do not change
+// where a thread runs with x86's flush-to-zero and denormals-are-zero on
+// (PyTorch's set_flush_denormal, libraries built with -ffast-math; threads
+// inherit them), and no vector pays the microcode assist an fp32 subnormal
+// operand costs on Intel cores (about 10x slower fp8 decodes of blocks with
+// many subnormal codes), for every scale that is a normal fp32 number (fp8
+// scales of fp16 blocks always are) and every result that is not an fp32
+// subnormal (fp16 results never are; bf16 results below 2^-126 are flushed).
+// docs/codecs.md, "Arithmetic", lists the exceptions.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -207,7 +210,7 @@ HWY_INLINE hn::Vec<DF> Fp8ToF32(DF df, hn::Vec<hn::RebindToUnsigned<DF>> c) {
   return hn::Or(v, hn::BitCast(df, sign));
 }
 
-// A head's fp8 scale, prepared for Fp8RowTimesScale. For a positive
+// A head's fp8 scale, prepared for Fp8FoldedTimesScale. For a positive
 // normal scale s whose product with 2^(127 - bias) is finite, `rebiased` is
 // that product (exact) and `folds` is true.
 struct Fp8Scale {
@@ -548,12 +551,12 @@ HWY_INLINE void EncodeFp8Exact(const uint16_t* in, size_t n, float scale,
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
 #define KVCACHE_FP8_TABLE 1
 
+constexpr size_t kMaxLaneRecodes = 4;
+
 // offset[b] + (base[b] << kShift), mod 2^16: adding a multiple of
 // 2^kShift before the shift is adding base after it, so one table (one
 // vpermw) serves, as long as the codes of the head fit in 16 - kShift bits
 // (BuildFp8HeadTable checks the largest).
-constexpr size_t kMaxLaneRecodes = 4;
-
 struct Fp8HeadTable {
   alignas(64) uint16_t folded[32];
   uint16_t safe = 0;  // smallest |x| bits (>= 0x400) the identity covers
@@ -723,7 +726,8 @@ bool BuildFp8HeadTable(float scale, Fp8HeadTable& table) {
 #if HWY_TARGET <= HWY_AVX3
 // Codes of a head's row by the table. The values it does not cover
 // (0 < |x| < safe, rare: quotients near fp8's subnormal range) are then
-// recoded one by one with the scalar reference conversion.
+// recoded one by one with the scalar reference conversion, or the whole
+// row by the vector exact path past kMaxLaneRecodes of them.
 template <Codec kCodec>
 HWY_INLINE void EncodeFp8RowByTable(const uint16_t* row, size_t n,
                                     const Fp8HeadTable& table, float scale,

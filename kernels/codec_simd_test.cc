@@ -160,6 +160,36 @@ TEST_P(SimdTest, DecodeOfArbitraryBytesMatchesReference) {
 // make an fp32 subnormal. Both encoded data and arbitrary codes (every fp8
 // subnormal code) are decoded, from fp16 and bf16 sources.
 #if defined(__SSE__) || defined(__x86_64__)
+// Each codec with dynamic scales, and fp8 with static ones around the
+// bounds where the decoder folds a scale into its conversion (2^8 for
+// E4M3, 2^16 for E5M2) and down to 2^-100 (products of the smallest codes
+// stay fp32 normal, for bf16 results).
+std::vector<CodecPolicy> DenormalTestPolicies(const BlockShape& shape,
+                                              std::mt19937& rng) {
+  std::vector<CodecPolicy> policies;
+  for (Codec c : kAllCodecs) {
+    CodecPolicy p;
+    p.codec = c;
+    policies.push_back(p);
+    if (c != Codec::kFp8E4M3 && c != Codec::kFp8E5M2) continue;
+    std::vector<float> scales = {0x1p-100f,      0x1.fffffep7f, 256.0f,
+                                 0x1.fffffep15f, 65536.0f,      1.0f,
+                                 3.0f,           1.0f / 448};
+    const size_t per_tensor = size_t{shape.num_layers} * shape.num_kv_heads;
+    while (scales.size() < 2 * per_tensor) {
+      scales.push_back(std::ldexp(1.0f + (rng() >> 9) * 0x1p-23f,
+                                  static_cast<int>(rng() % 41) - 20));
+    }
+    p.scale_mode = ScaleMode::kStaticPerLayerHead;
+    p.static_k_scales.assign(scales.begin(), scales.begin() + per_tensor);
+    p.static_v_scales.assign(scales.begin() + per_tensor, scales.end());
+    const absl::Status valid = ValidatePolicy(shape, p);
+    if (!valid.ok()) ADD_FAILURE() << valid;
+    policies.push_back(p);
+  }
+  return policies;
+}
+
 class DenormalsOffScope {
  public:
   DenormalsOffScope() : saved_(_mm_getcsr()) {
@@ -180,9 +210,8 @@ TEST_P(SimdTest, SameBitsWithDenormalArithmeticOff) {
   for (const SourceDtype dtype : {SourceDtype::kFp16, SourceDtype::kBf16}) {
     BlockShape shape{2, 8, 128, 32};
     shape.source_dtype = dtype;
-    for (Codec c : kAllCodecs) {
-      CodecPolicy p;
-      p.codec = c;
+    for (const CodecPolicy& p : DenormalTestPolicies(shape, rng)) {
+      const Codec c = p.codec;
       const size_t bytes = EncodedBlockBytes(shape, p);
       for (Data kind : {Data::kTiny, Data::kSpecials, Data::kRandomBits,
                         Data::kGaussian, Data::kSparse}) {
@@ -197,15 +226,25 @@ TEST_P(SimdTest, SameBitsWithDenormalArithmeticOff) {
         if (!EncodeBlockReference(shape, p, in, absl::MakeSpan(codes)).ok()) {
           continue;  // KIVI rejects what it cannot hold; fp8 saturates
         }
-        // Arbitrary fp8 codes after each head's scale: every subnormal code.
+        // Arbitrary fp8 codes after each head's scale: every subnormal code
+        // in odd rows, only normal codes (the decoder's other path) in even
+        // ones.
         std::vector<uint8_t> arbitrary = codes;
         if (c == Codec::kFp8E4M3 || c == Codec::kFp8E5M2) {
           const size_t n = size_t{shape.tokens_per_block} * shape.num_kv_heads *
                            shape.head_dim;
-          for (size_t off = 0; off < bytes; off += 4 * shape.num_kv_heads + n) {
+          const size_t head =
+              p.scale_mode == ScaleMode::kDynamic ? 4 * shape.num_kv_heads : 0;
+          const uint32_t min_normal = c == Codec::kFp8E4M3 ? 8 : 4;
+          const uint32_t max_finite = c == Codec::kFp8E4M3 ? 0x7E : 0x7B;
+          for (size_t off = 0; off < bytes; off += head + n) {
             for (size_t i = 0; i < n; ++i) {
-              arbitrary[off + 4 * shape.num_kv_heads + i] =
-                  static_cast<uint8_t>(rng());
+              uint32_t code = rng() & 0xFF;
+              if ((i / shape.head_dim) % 2 == 0) {
+                code = (code & 0x80) |
+                       (min_normal + code % (max_finite - min_normal + 1));
+              }
+              arbitrary[off + head + i] = static_cast<uint8_t>(code);
             }
           }
         }

@@ -176,8 +176,12 @@ def test_fp8_reports_its_token_agreement(workdir, model_dir, reference):
     for g, r in zip(got, reference):
         total += len(r["tokens"])
         same += sum(1 for x, y in zip(g["tokens"], r["tokens"]) if x == y)
+    # The model's weights are random: its greedy tokens part ways after any
+    # perturbation, so this says the fp8 path ran, not how good fp8 is
+    # (docs/quality.md measures that on a trained model).
     print(f"fp8_e4m3: {same}/{total} greedy tokens equal to fp16's "
-          f"({100.0 * same / total:.1f}%)")
+          f"({100.0 * same / total:.1f}%; a random-weight model: not a "
+          f"quality figure, see docs/quality.md)")
     (workdir / "fp8-agreement.txt").write_text(f"{same} {total}\n")
 
 
