@@ -50,6 +50,10 @@ for transport in $transports; do
       format=${format_list[$(( (round - 1) % ${#format_list[@]} ))]}
       dtype=${dtype_list[$(( (round - 1) % ${#dtype_list[@]} ))]}
       log=$work/node.log
+      # Created here, not by the node's redirection: the loop below may read
+      # it before the background shell has opened it (under set -e a sed of
+      # a missing file ended the whole script).
+      : >"$log"
       "$node_bin" --listen=127.0.0.1:0 --metrics-listen= \
         --memory=host:1GiB --data-plane=ucx "${node_plane[@]}" \
         2>"$log" &
