@@ -267,6 +267,49 @@ HWY_INLINE hn::Vec<DF> Fp8FoldedTimesScale(DF df,
   return hn::Mul(hn::BitCast(df, hn::Or(magnitude, sign)), rebiased);
 }
 
+// The first n - n % Lanes(df) codes of a row of a head with scale `scale`,
+// as RN(value(code) * scale), handed to emit(j, values) a vector at a time:
+// by Fp8FoldedTimesScale where the scale folds and the row holds no rare
+// code, else by Fp8ToF32 and a multiplication. Returns how many it did; the
+// caller converts the rest one by one.
+template <bool kE4M3, class DF, class Emit>
+HWY_INLINE size_t DecodeFp8RowVectors(DF df, const uint8_t* codes, size_t n,
+                                      float scale, const Emit& emit) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<uint8_t, DF> d8;
+  const size_t N = hn::Lanes(df);
+  const Fp8Scale prepared = PrepareFp8Scale<kE4M3>(scale);
+  size_t j = 0;
+  if (prepared.folds && !Fp8RowHasRareCode<kE4M3>(codes, n)) {
+    const auto rebiased = hn::Set(df, prepared.rebiased);
+    for (; j + N <= n; j += N) {
+      const auto c = hn::PromoteTo(du, hn::LoadU(d8, codes + j));
+      emit(j, Fp8FoldedTimesScale<kE4M3>(df, c, rebiased));
+    }
+  } else {
+    const auto vsc = hn::Set(df, scale);
+    for (; j + N <= n; j += N) {
+      const auto c = hn::PromoteTo(du, hn::LoadU(d8, codes + j));
+      emit(j, hn::Mul(Fp8ToF32<kE4M3>(df, c), vsc));
+    }
+  }
+  return j;
+}
+
+// Reads an fp8 section's per-head scales into scale[0, H) (stored after
+// the codes' header, or the policy's static ones); returns its codes.
+inline const uint8_t* Fp8SectionScales(const Section& s, const uint8_t* in,
+                                       float* scale) {
+  if (s.static_scales != nullptr) {
+    std::copy(s.static_scales, s.static_scales + s.heads, scale);
+    return in;
+  }
+  for (size_t h = 0; h < s.heads; ++h) {
+    scale[h] = FloatFromBits(LoadLe32(in + 4 * h));
+  }
+  return in + 4 * s.heads;
+}
+
 // ---- division -------------------------------------------------------------
 
 // RN(a / b) for b > 0, given y = RN(1 / b) from a true division. With a
@@ -962,19 +1005,9 @@ void DecodeFp8(const Section& s, const uint8_t* in, uint16_t* out) {
   const size_t T = s.tokens, H = s.heads, D = s.dim;
   Scratch& scratch = GetScratch();
   float* scale = Sized(scratch.f0, H);
-  const uint8_t* codes = in;
-  if (s.static_scales == nullptr) {
-    for (size_t h = 0; h < H; ++h)
-      scale[h] = FloatFromBits(LoadLe32(in + 4 * h));
-    codes = in + 4 * H;
-  } else {
-    for (size_t h = 0; h < H; ++h) scale[h] = s.static_scales[h];
-  }
+  const uint8_t* codes = Fp8SectionScales(s, in, scale);
   const hn::ScalableTag<float> df;
-  const hn::RebindToUnsigned<decltype(df)> du;
   const hn::Rebind<uint16_t, decltype(df)> d16;
-  const hn::Rebind<uint8_t, decltype(df)> d8;
-  const size_t N = hn::Lanes(df);
   constexpr bool kE4M3 = kCodec == Codec::kFp8E4M3;
   const bool stream = MayStream(s, d16, out, D);
   for (size_t t = 0; t < T; ++t) {
@@ -983,23 +1016,10 @@ void DecodeFp8(const Section& s, const uint8_t* in, uint16_t* out) {
       const uint8_t* src = codes + base;
       uint16_t* dst = out + base;
       const float sc = scale[h];
-      const Fp8Scale prepared = PrepareFp8Scale<kE4M3>(sc);
-      size_t j = 0;
-      if (prepared.folds && !Fp8RowHasRareCode<kE4M3>(src, D)) {
-        const auto rebiased = hn::Set(df, prepared.rebiased);
-        for (; j + N <= D; j += N) {
-          const auto c = hn::PromoteTo(du, hn::LoadU(d8, src + j));
-          const auto v = Fp8FoldedTimesScale<kE4M3>(df, c, rebiased);
-          StoreDecoded(F32ToHalf(df, v), d16, stream, dst + j);
-        }
-      } else {
-        const auto vsc = hn::Set(df, sc);
-        for (; j + N <= D; j += N) {
-          const auto c = hn::PromoteTo(du, hn::LoadU(d8, src + j));
-          const auto v = hn::Mul(Fp8ToF32<kE4M3>(df, c), vsc);
-          StoreDecoded(F32ToHalf(df, v), d16, stream, dst + j);
-        }
-      }
+      size_t j = DecodeFp8RowVectors<kE4M3>(
+          df, src, D, sc, [&](size_t k, hn::Vec<decltype(df)> v) {
+            StoreDecoded(F32ToHalf(df, v), d16, stream, dst + k);
+          });
       for (; j < D; ++j) {
         dst[j] = HalfFromFloat(Fp8ScalarToFloat<kCodec>(src[j]) * sc);
       }
@@ -1816,43 +1836,20 @@ void DecodeFp8Bf16(const Section& s, const uint8_t* in, uint16_t* out) {
   const size_t T = s.tokens, H = s.heads, D = s.dim;
   Scratch& scratch = GetScratch();
   float* scale = Sized(scratch.f0, H);
-  const uint8_t* codes = in;
-  if (s.static_scales == nullptr) {
-    for (size_t h = 0; h < H; ++h) {
-      scale[h] = FloatFromBits(LoadLe32(in + 4 * h));
-    }
-    codes = in + 4 * H;
-  } else {
-    for (size_t h = 0; h < H; ++h) scale[h] = s.static_scales[h];
-  }
+  const uint8_t* codes = Fp8SectionScales(s, in, scale);
   const hn::ScalableTag<float> df;
-  const hn::RebindToUnsigned<decltype(df)> du;
   const hn::Rebind<uint16_t, decltype(df)> d16;
-  const hn::Rebind<uint8_t, decltype(df)> d8;
-  const size_t N = hn::Lanes(df);
   constexpr bool kE4M3 = kCodec == Codec::kFp8E4M3;
   const bool stream = MayStream(s, d16, out, D);
   for (size_t t = 0; t < T; ++t) {
     for (size_t h = 0; h < H; ++h) {
       const size_t base = (t * H + h) * D;
-      const Fp8Scale prepared = PrepareFp8Scale<kE4M3>(scale[h]);
-      size_t j = 0;
       // x' = bf16_rne(float(code) * scale)
-      if (prepared.folds && !Fp8RowHasRareCode<kE4M3>(codes + base, D)) {
-        const auto rebiased = hn::Set(df, prepared.rebiased);
-        for (; j + N <= D; j += N) {
-          const auto c = hn::PromoteTo(du, hn::LoadU(d8, codes + base + j));
-          const auto v = Fp8FoldedTimesScale<kE4M3>(df, c, rebiased);
-          StoreDecoded(F32ToBf16(df, v), d16, stream, out + base + j);
-        }
-      } else {
-        const auto vsc = hn::Set(df, scale[h]);
-        for (; j + N <= D; j += N) {
-          const auto c = hn::PromoteTo(du, hn::LoadU(d8, codes + base + j));
-          const auto v = hn::Mul(Fp8ToF32<kE4M3>(df, c), vsc);
-          StoreDecoded(F32ToBf16(df, v), d16, stream, out + base + j);
-        }
-      }
+      size_t j = DecodeFp8RowVectors<kE4M3>(
+          df, codes + base, D, scale[h],
+          [&](size_t k, hn::Vec<decltype(df)> v) {
+            StoreDecoded(F32ToBf16(df, v), d16, stream, out + base + k);
+          });
       for (; j < D; ++j) {
         out[base + j] =
             Bf16FromFloat(Fp8ScalarToFloat<kCodec>(codes[base + j]) * scale[h]);
