@@ -19,6 +19,7 @@
 #include "base/mutex.h"
 #include "client/buffer_pool.h"
 #include "client/client_impl.h"
+#include "client/client_test_access.h"
 #include "client/grpc_status.h"
 #include "client/read_decode.h"
 #include "client/ucx/client_plane.h"
@@ -294,6 +295,11 @@ void Client::Impl::AbandonRead(uint64_t read_id) {
       });
 }
 
+void Client::Impl::TellNodeIfUnsent(ucx::ClientPlane::Read& read,
+                                    uint64_t read_id) {
+  read.SetOnUnsent([this, read_id] { AbandonRead(read_id); });
+}
+
 bool Client::Impl::WantDataPlane() {
   if (options.data_plane == DataPlane::kGrpc) return false;
   MutexLock lock(&plane_mu);
@@ -329,6 +335,11 @@ absl::StatusOr<ucx::ClientPlane*> Client::Impl::Plane() {
   }
   plane = *std::move(created);
   return plane.get();
+}
+
+absl::StatusOr<ucx::ClientPlane*> internal::ClientTestAccess::Plane(
+    Client& client) {
+  return client.impl_->Plane();
 }
 
 ucx::NodeAddress Client::Impl::Resolve(const v1::DataPlaneInfo& info) const {
@@ -915,6 +926,7 @@ absl::Status Client::Impl::StartReadInto(const v1::BeginReadResponse& response,
                 layer_by_layer, buffer_id);
   if (!transfer.ok()) return transfer.status();
   pending.read = *std::move(transfer);
+  TellNodeIfUnsent(*pending.read, response.read_id());
   return absl::OkStatus();
 }
 
@@ -964,6 +976,7 @@ absl::Status Client::Impl::StartDecodedReadInto(
   if (!transfer.ok()) return transfer.status();
   pending.landing = std::move(landing->buffer);
   pending.read = *std::move(transfer);
+  TellNodeIfUnsent(*pending.read, response.read_id());
   return absl::OkStatus();
 }
 

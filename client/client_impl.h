@@ -92,6 +92,11 @@ struct Client::Impl {
   // deadline for them.
   void AbortWriteAsync(uint64_t write_id);
   void AbandonRead(uint64_t read_id);
+  // A PendingRead's transfer abandons read `read_id` (AbandonRead) if it is
+  // destroyed without its start having reached the node, which otherwise
+  // holds the read's lease until its TTL. Reads whose caller abandons them
+  // on every failure itself (Get) do without.
+  void TellNodeIfUnsent(ucx::ClientPlane::Read& read, uint64_t read_id);
 
   // ---- The data plane (client.cc)
 

@@ -35,6 +35,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/notification.h"
+#include "client/client_test_access.h"
 #include "client/read_decode.h"
 #include "client/ucx/client_plane.h"
 #include "grpcpp/grpcpp.h"
@@ -952,6 +953,48 @@ TEST_P(UcxTest, AReadDestroyedBeforeItIsSentLandsNothing) {
   EXPECT_TRUE(std::all_of(unsent.begin(), unsent.end(), [](uint8_t v) {
     return v == 0xEE;
   })) << "a read destroyed before it was sent landed";
+}
+
+// A PendingRead destroyed while its ReadStart is still queued for the
+// client's progress thread is never sent (AReadDestroyedBeforeItIsSent...):
+// the node, which leased the blocks at BeginRead, hears of it from the
+// client's EndRead, at once, not when the lease's TTL runs out. Both reads
+// into caller memory: fp16 blocks straight into it, fp8 ones into a landing
+// buffer to be decoded from.
+TEST_P(UcxTest, AGetIntoAbandonedBeforeItIsSentEndsItsLease) {
+  StartNode(256ull << 20, 64ull << 20, /*ttl=*/absl::Seconds(120));
+  const kernels::BlockShape shape = LargeShape();
+  constexpr int kBlocks = 4;
+  const size_t stride = kernels::Fp16BlockBytes(shape);
+  std::vector<uint8_t> dest(kBlocks * stride, 0xEE);
+  for (Codec codec : {Codec::kNone, Codec::kFp8E4M3}) {
+    const std::string ns = absl::StrCat("abandoned-", static_cast<int>(codec));
+    SCOPED_TRACE(ns);
+    ASSERT_TRUE(client_->RegisterNamespace(Spec(ns, codec, shape)).ok());
+    ASSERT_TRUE(PutChain(client_.get(), ns, shape, 0, kBlocks).ok());
+    auto plane = internal::ClientTestAccess::Plane(*client_);
+    ASSERT_TRUE(plane.ok()) << plane.status();
+    Notification go;
+    ASSERT_TRUE((*plane)->PostForTest(
+        [&go] { go.WaitForNotificationWithTimeout(absl::Seconds(30)); }));
+    auto read = client_->GetInto(ns, Keys(0, kBlocks), ReadFormat::kFp16,
+                                 absl::MakeSpan(dest), stride);
+    ASSERT_TRUE(read.ok()) << read.status();
+    ASSERT_TRUE((*read)->over_data_plane());
+    EXPECT_EQ(node_->store()->Stats().active_read_leases, 1u);
+    read->reset();
+    uint32_t leases = 1;
+    const absl::Time give_up = absl::Now() + absl::Seconds(10);
+    while ((leases = node_->store()->Stats().active_read_leases) != 0 &&
+           absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    go.Notify();
+    EXPECT_EQ(leases, 0u) << "the node still holds the abandoned read's lease";
+    // The plane goes on: the same blocks read through it land.
+    auto again = client_->Get(ns, Keys(0, kBlocks), ReadFormat::kRaw);
+    ASSERT_TRUE(again.ok()) << again.status();
+  }
 }
 
 // decode_into_destination where the node cannot map the destination (tcp;

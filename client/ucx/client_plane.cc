@@ -202,6 +202,9 @@ struct ClientPlane::ReadState {
   // Set on the progress thread as the ReadStart goes out. A read abandoned
   // before (SettleOrClose) is detached there and then, and never sent.
   bool started ABSL_GUARDED_BY(mu) = false;
+  // Set on the progress thread when sending the ReadStart failed: the node
+  // may never have heard of the read (Read::SetOnUnsent).
+  bool start_failed ABSL_GUARDED_BY(mu) = false;
   // Closing the connection stops the node's puts (see
   // Connection::peer_errors); set when the read starts on a connection.
   bool close_stops_puts ABSL_GUARDED_BY(mu) = true;
@@ -644,8 +647,13 @@ absl::StatusOr<std::unique_ptr<ClientPlane::Read>> ClientPlane::StartRead(
     read_connection_[token_bytes] = address.key();
     loop_->AddBusy(1);  // until the read ends: the node's puts need progress
     SendEagerAm((*conn)->ep->get(), kAmReadStart, std::move(keep), header_size,
-                [this, token_bytes](absl::Status status) {
-                  if (!status.ok()) EndRead(token_bytes, 0, status);
+                [this, token_bytes, state](absl::Status status) {
+                  if (status.ok()) return;
+                  {
+                    MutexLock lock(&state->mu);
+                    state->start_failed = true;
+                  }
+                  EndRead(token_bytes, 0, status);
                 });
   });
   if (!posted) return absl::UnavailableError("the client is closing");
@@ -910,7 +918,20 @@ std::optional<bool> ClientPlane::MapsDestinations(
   return it->second;
 }
 
-ClientPlane::Read::~Read() { SettleOrClose().IgnoreError(); }
+ClientPlane::Read::~Read() {
+  SettleOrClose().IgnoreError();
+  if (on_unsent_ == nullptr) return;
+  bool reached_node;
+  {
+    // `started` is final here: SettleOrClose has detached a read that had
+    // not started, and the progress thread starts no detached read. A send
+    // failure is known unless closing the connection cut the send short
+    // after the read detached: then the lease runs to its TTL.
+    MutexLock lock(&state_->mu);
+    reached_node = state_->started && !state_->start_failed;
+  }
+  if (!reached_node) on_unsent_();
+}
 
 uint32_t ClientPlane::Read::most_statuses_held() const {
   return state_->most_statuses_held.load(std::memory_order_relaxed);

@@ -37,6 +37,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -297,6 +298,16 @@ class ClientPlane::Read {
   // that bound.
   MemoryRegion& region() { return *region_; }
 
+  // `tell_node` runs once, on the thread that destroys this Read, when its
+  // ReadStart never reached the node: abandoned while still queued, its
+  // connection failed before it went out, or sending it failed. The node
+  // leased the blocks when the read began (BeginRead) and otherwise holds
+  // them until the lease's TTL; `tell_node` ends that lease (EndRead). To
+  // be set before anything may destroy the Read.
+  void SetOnUnsent(absl::AnyInvocable<void()> tell_node) {
+    on_unsent_ = std::move(tell_node);
+  }
+
  private:
   friend class ClientPlane;
   // Settles or force-closes (SettleOrClose) when `deadline` passes first.
@@ -324,6 +335,7 @@ class ClientPlane::Read {
   std::shared_ptr<ReadState> state_;
   std::shared_ptr<MemoryRegion> region_;
   uint32_t num_layers_;
+  absl::AnyInvocable<void()> on_unsent_;
 };
 
 }  // namespace kvcache::ucx

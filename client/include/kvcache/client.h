@@ -334,6 +334,10 @@ class DataBuffer {
   std::unique_ptr<Impl> impl_;
 };
 
+namespace internal {
+struct ClientTestAccess;  // client/client_test_access.h
+}  // namespace internal
+
 class Client {
  public:
   // Creates a channel to options.target; does not wait for the node.
@@ -430,6 +434,7 @@ class Client {
                                          const CallOptions& call = {});
 
  private:
+  friend struct internal::ClientTestAccess;
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
