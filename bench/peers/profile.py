@@ -120,8 +120,12 @@ def _client(argv: list[str]) -> int:
 
 def _samples(perf_data: str, node_pid: int, client_pids: set[int]):
     """(group, category) -> samples, from `perf script`."""
+    # One line per sample, its leaf frame: a recording with call graphs
+    # (PERF_CALL_GRAPH) would otherwise print each sample's pid on a line
+    # of its own and its frames below, which the pattern below never matches.
     out = subprocess.run(
-        ["perf", "script", "-i", perf_data, "-F", "pid,ip,sym,dso", "--no-demangle"],
+        ["perf", "script", "-i", perf_data, "-F", "pid,ip,sym,dso", "--no-demangle",
+         "--hide-call-graph"],
         capture_output=True, text=True, check=True).stdout
     demangle = {}
     counts = collections.Counter()
@@ -196,6 +200,10 @@ def main() -> int:
         if env("PERF_DATA"):
             shutil.copyfile(perf_data, env("PERF_DATA"))
     total = sum(counts.values())
+    if total == 0 or moved == 0:
+        print(f"profile: nothing to report ({total} samples read from perf's recording, "
+              f"{moved} bytes moved)", file=sys.stderr)
+        return 1
     gib = moved / 2**30
     cpus = os.cpu_count() or 1
     print(f"profile: ours {path} {codec} {op}{'' if op == 'put' else ' ' + fmt}, {n} client "
