@@ -528,27 +528,10 @@ absl::Status KvCacheServiceImpl::BeginDataPlaneRead(
   return absl::OkStatus();
 }
 
-bool KvCacheServiceImpl::ReadIsLight(
-    const v1::BeginReadRequest& request) const {
-  if (request.inline_data() || data_plane_ == nullptr ||
-      request.allow_missing()) {
-    return false;
-  }
-  absl::StatusOr<store::ReadFormat> format = ReadFormatFromProto(request);
-  if (!format.ok()) return true;  // refused at once
-  absl::StatusOr<store::NamespaceInfo> ns =
-      store_->GetNamespace(request.namespace_name());
-  if (!ns.ok()) return true;  // refused at once
-  const bool decode_later =
-      request.decode_into_destination() && *format == store::ReadFormat::kFp16;
-  return store_->ReadsInPlace(*ns, *format, decode_later);
-}
-
 grpc::ServerUnaryReactor* KvCacheServiceImpl::BeginRead(
     grpc::CallbackServerContext* ctx, const v1::BeginReadRequest* request,
     v1::BeginReadResponse* response) {
-  const bool offload = !ReadIsLight(*request);
-  return Run(ctx, "begin_read", offload, [=](std::string* tenant) {
+  return Run(ctx, "begin_read", true, [=](std::string* tenant) {
     absl::StatusOr<Caller> caller =
         Authorize(ctx, tenant, Role::kRead, &request->namespace_name());
     if (!caller.ok()) return caller.status();

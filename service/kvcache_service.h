@@ -116,12 +116,6 @@ class KvCacheServiceImpl final : public kvcache::v1::KvCache::CallbackService {
                                   ucx::DataPlane& shard,
                                   v1::BeginReadResponse* response);
 
-  // Whether BeginRead `request` does no more than index lookups and a lease
-  // on gRPC's thread: a data-plane read whose blocks are all answered in
-  // place (Store::ReadsInPlace), checked by the data plane as it sends
-  // them. Other reads copy, decode or verify blocks, on the pool.
-  bool ReadIsLight(const v1::BeginReadRequest& request) const;
-
   store::Store* store_;
   Metrics* metrics_;
   ThreadPool* workers_;
