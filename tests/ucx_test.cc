@@ -967,29 +967,44 @@ TEST_P(UcxTest, AGetIntoAbandonedBeforeItIsSentEndsItsLease) {
   constexpr int kBlocks = 4;
   const size_t stride = kernels::Fp16BlockBytes(shape);
   std::vector<uint8_t> dest(kBlocks * stride, 0xEE);
+  // The node's read leases once none is left, or at `within`.
+  auto read_leases_within = [&](absl::Duration within) {
+    uint32_t leases = 0;
+    const absl::Time give_up = absl::Now() + within;
+    while ((leases = node_->store()->Stats().active_read_leases) != 0 &&
+           absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return leases;
+  };
   for (Codec codec : {Codec::kNone, Codec::kFp8E4M3}) {
     const std::string ns = absl::StrCat("abandoned-", static_cast<int>(codec));
     SCOPED_TRACE(ns);
     ASSERT_TRUE(client_->RegisterNamespace(Spec(ns, codec, shape)).ok());
     ASSERT_TRUE(PutChain(client_.get(), ns, shape, 0, kBlocks).ok());
+    // The last iteration's read ends its lease as its transfer ends.
+    ASSERT_EQ(read_leases_within(absl::Seconds(10)), 0u);
     auto plane = internal::ClientTestAccess::Plane(*client_);
     ASSERT_TRUE(plane.ok()) << plane.status();
-    Notification go;
+    // Shared with the held task, and let go on every way out of this
+    // iteration, a failed ASSERT included.
+    auto go = std::make_shared<Notification>();
+    struct LetGo {
+      std::shared_ptr<Notification> go;
+      ~LetGo() {
+        if (!go->HasBeenNotified()) go->Notify();
+      }
+    } let_go{go};
     ASSERT_TRUE((*plane)->PostForTest(
-        [&go] { go.WaitForNotificationWithTimeout(absl::Seconds(30)); }));
+        [go] { go->WaitForNotificationWithTimeout(absl::Seconds(30)); }));
     auto read = client_->GetInto(ns, Keys(0, kBlocks), ReadFormat::kFp16,
                                  absl::MakeSpan(dest), stride);
     ASSERT_TRUE(read.ok()) << read.status();
     ASSERT_TRUE((*read)->over_data_plane());
     EXPECT_EQ(node_->store()->Stats().active_read_leases, 1u);
     read->reset();
-    uint32_t leases = 1;
-    const absl::Time give_up = absl::Now() + absl::Seconds(10);
-    while ((leases = node_->store()->Stats().active_read_leases) != 0 &&
-           absl::Now() < give_up) {
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    go.Notify();
+    const uint32_t leases = read_leases_within(absl::Seconds(10));
+    go->Notify();
     EXPECT_EQ(leases, 0u) << "the node still holds the abandoned read's lease";
     // The plane goes on: the same blocks read through it land.
     auto again = client_->Get(ns, Keys(0, kBlocks), ReadFormat::kRaw);

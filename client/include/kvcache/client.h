@@ -400,7 +400,8 @@ class Client {
   // (metadata and placements are known); the call's deadline and cancel
   // token go on to bound PendingRead's waits. INVALID_ARGUMENT when `dest`
   // cannot hold keys.size() slots of `stride` bytes or a block is larger
-  // than its slot. `dest` must outlive the PendingRead.
+  // than its slot. `dest` must outlive the PendingRead, and the PendingRead
+  // the Client.
   absl::StatusOr<std::unique_ptr<PendingRead>> GetInto(
       const std::string& ns, const std::vector<std::string>& keys,
       const ReadOptions& read, absl::Span<uint8_t> dest, size_t stride,
