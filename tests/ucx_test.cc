@@ -31,6 +31,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -989,12 +990,9 @@ TEST_P(UcxTest, AGetIntoAbandonedBeforeItIsSentEndsItsLease) {
     // Shared with the held task, and let go on every way out of this
     // iteration, a failed ASSERT included.
     auto go = std::make_shared<Notification>();
-    struct LetGo {
-      std::shared_ptr<Notification> go;
-      ~LetGo() {
-        if (!go->HasBeenNotified()) go->Notify();
-      }
-    } let_go{go};
+    absl::Cleanup let_go = [go] {
+      if (!go->HasBeenNotified()) go->Notify();
+    };
     ASSERT_TRUE((*plane)->PostForTest(
         [go] { go->WaitForNotificationWithTimeout(absl::Seconds(30)); }));
     auto read = client_->GetInto(ns, Keys(0, kBlocks), ReadFormat::kFp16,
